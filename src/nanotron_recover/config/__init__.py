@@ -1,0 +1,80 @@
+"""Config: Nanotron-schema YAML, strict loading, ``--set`` overrides and validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from .loader import ConfigError, apply_override, from_dict, load_yaml, to_dict
+from .schema import (
+    CheckpointsArgs,
+    Config,
+    DataArgs,
+    DatasetStageArgs,
+    GeneralArgs,
+    HFDatasetArgs,
+    InitMethod,
+    LlamaConfig,
+    LoggingArgs,
+    LRSchedulerArgs,
+    ModelArgs,
+    OptimizerArgs,
+    ParallelismArgs,
+    RecoverArgs,
+    TokenizedDatasetArgs,
+    TokenizerArgs,
+    TokensArgs,
+)
+from .validate import check_world_size, validate_config
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None, check_paths: bool = True) -> Config:
+    """Load ``path``, apply ``--set`` overrides, check every field; raise ConfigError otherwise.
+
+    Relative paths inside the config are relative to the working directory, as in Nanotron.
+    """
+    data = load_yaml(path)
+    for assignment in overrides or []:
+        apply_override(data, assignment)
+    return config_from_dict(data, check_paths=check_paths)
+
+
+def config_from_dict(data: dict, check_paths: bool = True) -> Config:
+    cfg = from_dict(Config, data)
+    validate_config(cfg, check_paths=check_paths)
+    return cfg
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+__all__ = [
+    "CheckpointsArgs",
+    "Config",
+    "ConfigError",
+    "DataArgs",
+    "DatasetStageArgs",
+    "GeneralArgs",
+    "HFDatasetArgs",
+    "InitMethod",
+    "LRSchedulerArgs",
+    "LlamaConfig",
+    "LoggingArgs",
+    "ModelArgs",
+    "OptimizerArgs",
+    "ParallelismArgs",
+    "RecoverArgs",
+    "TokenizedDatasetArgs",
+    "TokenizerArgs",
+    "TokensArgs",
+    "apply_override",
+    "check_world_size",
+    "config_from_dict",
+    "dump_config",
+    "from_dict",
+    "load_config",
+    "to_dict",
+    "validate_config",
+]

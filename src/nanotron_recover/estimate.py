@@ -1,0 +1,119 @@
+"""What a config will cost, per rank, before anything is launched (``train --dry-run``).
+
+Memory per GPU is estimated for the heaviest pipeline stage:
+- parameters in the model dtype; an fp32 master copy when that dtype is not fp32;
+- the fp32 gradient buffer (plus the transient model-dtype gradient of one parameter, ignored);
+- AdamW state: two fp32 moments;
+- activations kept for backward: per layer and micro-batch about ``s*b*h*(10 + 24/tp)`` bytes in
+  16-bit (Korthikanti et al., attention scores not materialised thanks to fused SDPA), doubled for
+  fp32, times the micro-batches in flight (``min(pp - stage, G)`` for 1F1B, ``G`` for AFAB), plus
+  the fp32 logits of one micro-batch on the last stage.
+It is an estimate (allocator slack, communication buffers and CUDA context are not counted), made to
+catch layouts that cannot fit, not to replace a profile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import Config
+from .models.llama import count_parameters, stage_layers
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    pp_rank: int
+    layers: int
+    parameters: int
+    param_bytes: int
+    master_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.param_bytes
+            + self.master_bytes
+            + self.grad_bytes
+            + self.optimizer_bytes
+            + self.activation_bytes
+        )
+
+
+def estimate_stage(cfg: Config, pp_rank: int) -> StageEstimate:
+    m, p, t = cfg.model.model_config, cfg.parallelism, cfg.tokens
+    h, i, v, d = m.hidden_size, m.intermediate_size, m.vocab_size, m.head_dim
+    layers = len(stage_layers(m.num_hidden_layers, p.pp, pp_rank))
+    per_layer = (h * m.num_attention_heads * d * 2 + h * m.kv_heads * d * 2 + 3 * h * i) // p.tp + 2 * h
+    params = layers * per_layer
+    if pp_rank == 0:
+        params += v * h // p.tp
+    if pp_rank == p.pp - 1:
+        params += h + (v * h // p.tp if (not m.tie_word_embeddings or p.pp > 1) else 0)
+    width = 4 if cfg.model.dtype == "float32" else 2
+    s, b = t.sequence_length, t.micro_batch_size
+    act_per_layer = s * b * h * (10 + 24 / p.tp) * (width / 2)
+    in_flight = (
+        t.batch_accumulation_per_replica
+        if p.pp_engine == "afab"
+        else min(p.pp - pp_rank, t.batch_accumulation_per_replica)
+    )
+    acts = act_per_layer * layers * in_flight
+    if pp_rank == p.pp - 1:
+        acts += s * b * (v // p.tp) * 4 * 2  # fp32 logits and their softmax
+    return StageEstimate(
+        pp_rank=pp_rank,
+        layers=layers,
+        parameters=params,
+        param_bytes=params * width,
+        master_bytes=0 if width == 4 else params * 4,
+        grad_bytes=params * 4,
+        optimizer_bytes=params * 8,
+        activation_bytes=int(acts),
+    )
+
+
+def plan_summary(cfg: Config) -> dict:
+    """Everything ``--dry-run`` prints, as a dict (also used by tests)."""
+    stages = [estimate_stage(cfg, r) for r in range(cfg.parallelism.pp)]
+    worst = max(stages, key=lambda e: e.total_bytes)
+    p = cfg.parallelism
+    return {
+        "world_size": cfg.world_size,
+        "tp": p.tp,
+        "pp": p.pp,
+        "replicas": p.dp,
+        "B": cfg.microbatches_per_step,
+        "G": cfg.tokens.batch_accumulation_per_replica,
+        "tokens_per_step": cfg.tokens_per_step,
+        "parameters": count_parameters(cfg.model.model_config),
+        "pp_engine": p.pp_engine,
+        "recover": cfg.recover.enabled,
+        "stages": stages,
+        "worst_stage": worst,
+    }
+
+
+def format_plan(summary: dict) -> str:
+    w: StageEstimate = summary["worst_stage"]
+    lines = [
+        f"world size      {summary['world_size']}  (tp={summary['tp']} x pp={summary['pp']} x dp={summary['replicas']})",
+        f"replicas        {summary['replicas']}",
+        f"B               {summary['B']} micro-batches per step (G={summary['G']} per replica)",
+        f"tokens/step     {summary['tokens_per_step']:,}",
+        f"parameters      {summary['parameters']:,} ({summary['parameters'] / 1e9:.2f}B)",
+        f"pipeline        {summary['pp_engine']}, recover={'on' if summary['recover'] else 'off'}",
+        f"memory per rank (estimate, heaviest stage = pp rank {w.pp_rank}, {w.layers} layers, "
+        f"{w.parameters:,} parameters):",
+        f"  parameters    {w.param_bytes / GIB:8.2f} GiB",
+        f"  fp32 master   {w.master_bytes / GIB:8.2f} GiB",
+        f"  fp32 grads    {w.grad_bytes / GIB:8.2f} GiB",
+        f"  optimizer     {w.optimizer_bytes / GIB:8.2f} GiB",
+        f"  activations   {w.activation_bytes / GIB:8.2f} GiB",
+        f"  total         {w.total_bytes / GIB:8.2f} GiB",
+    ]
+    return "\n".join(lines)

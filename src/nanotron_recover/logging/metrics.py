@@ -1,0 +1,45 @@
+"""Per-step metrics as JSON lines: ``<run_dir>/metrics.jsonl``, one object per optimizer step.
+
+Keys: step, loss, lr, grad_norm, tokens, step_time_s, tokens_per_s, replicas, ids_digest (+ any
+extra the trainer adds). ``ids_digest`` is the sha256 of the sorted micro-batch ids the step
+consumed, comma-joined: two runs agree on it exactly when they consumed the same ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+
+def ids_digest(ids: Iterable[int]) -> str:
+    return hashlib.sha256(",".join(str(i) for i in sorted(ids)).encode()).hexdigest()
+
+
+class MetricsWriter:
+    """Appends one JSON object per line and flushes it, so a killed job keeps every finished step."""
+
+    def __init__(self, path: str | Path, truncate_after_step: int | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if truncate_after_step is not None and self.path.exists():
+            # A resumed run rewrites the steps after its checkpoint; drop the stale ones first.
+            kept = [r for r in read_metrics(self.path) if r["step"] <= truncate_after_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._file = self.path.open("a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
