@@ -1,0 +1,82 @@
+"""Running real multi-process jobs from tests: mpirun with a hard timeout, killing only our own.
+
+mpirun is started in a new session (its own process group); on timeout the whole group gets
+SIGKILL, so no rank outlives the test and nothing else on the machine is touched.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from nanotron_recover.cli import mpirun_command
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Completed:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def single_rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
+    env.update(extra or {})
+    return env
+
+
+def run_process(
+    cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Completed:
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env or single_rank_env(),
+        cwd=cwd or REPO,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}"
+        ) from None
+    return Completed(proc.returncode, out, err)
+
+
+def run_cli(
+    args: list[str], nproc: int = 1, timeout: float = 300, env: dict[str, str] | None = None
+) -> Completed:
+    """``nanotron-recover ARGS`` as one process, or under mpirun with ``nproc`` ranks."""
+    program = [sys.executable, "-m", "nanotron_recover.cli", *args]
+    cmd = program if nproc == 1 else mpirun_command(nproc, program)
+    return run_process(cmd, timeout, env=env)
+
+
+def check(result: Completed) -> Completed:
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    )
+    return result
