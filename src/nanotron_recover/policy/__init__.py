@@ -1,0 +1,40 @@
+"""Workload policy: which replica computes and contributes which micro-batch ids, pure functions only.
+
+``steady_plan`` gives the start-of-step plan, ``repair`` the plan after replicas
+fail mid-step, ``next_plan`` the next step's steady plan and ``check_coverage``
+verifies that a plan sums the step's ids exactly once. See ``plan`` and
+``repair`` for the protocol.
+"""
+
+from .errors import CoverageError, NoReplicasLeft, PolicyError, TooFewReplicas
+from .plan import (
+    SPARES_MODES,
+    Assignment,
+    Role,
+    SparesMode,
+    StepPlan,
+    check_coverage,
+    check_min_replicas,
+    next_plan,
+    steady_plan,
+)
+from .repair import Action, Repair, repair
+
+__all__ = [
+    "SPARES_MODES",
+    "Action",
+    "Assignment",
+    "CoverageError",
+    "NoReplicasLeft",
+    "PolicyError",
+    "Repair",
+    "Role",
+    "SparesMode",
+    "StepPlan",
+    "TooFewReplicas",
+    "check_coverage",
+    "check_min_replicas",
+    "next_plan",
+    "repair",
+    "steady_plan",
+]
