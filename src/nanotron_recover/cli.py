@@ -131,6 +131,12 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     return run_preprocess(args)
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(Path(args.out), steps=args.steps)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanotron-recover", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -162,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", required=True, metavar="FILE.npy")
     p.add_argument("--logits-out", metavar="FILE.npy")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("demo", help="the main job on the embedded default: tiny LLaMA, offline corpus, CPU")
+    p.add_argument("--out", default="demo_out", help="where the corpus, metrics and plots go")
+    p.add_argument("--steps", type=int, help="train this many steps instead of the config's")
+    p.set_defaults(func=cmd_demo)
 
     from .data import add_preprocess_arguments
 

@@ -1,0 +1,135 @@
+"""Training throughput of the plain trainer: tokens/s for the tiny CPU config, and for a GPU-sized
+config when a GPU is present.
+
+Writes ``benchmarks/results/throughput.json`` and ``throughput.md``. The first steps are warm-up and
+are left out of the median.
+
+    python benchmarks/throughput.py [--steps 30] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from nanotron_recover.cli import mpirun_command
+from nanotron_recover.data import ensure_local_dataset
+from nanotron_recover.demo import tiny_config_path
+from nanotron_recover.logging import read_metrics
+
+WARMUP_STEPS = 3
+
+
+def measure(
+    name: str, config: Path, overrides: list[str], nproc: int, workdir: Path, timeout_s: float
+) -> dict:
+    run_dir = workdir / name
+    program = [
+        sys.executable,
+        "-m",
+        "nanotron_recover.cli",
+        "train",
+        "--config",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+    ]
+    program += [arg for o in overrides for arg in ("--set", o)]
+    cmd = program if nproc == 1 else mpirun_command(nproc, program)
+    subprocess.run(cmd, check=True, timeout=timeout_s, stdout=subprocess.DEVNULL)
+    rows = read_metrics(run_dir)[WARMUP_STEPS:]
+    tps = [r["tokens_per_s"] for r in rows]
+    return {
+        "name": name,
+        "ranks": nproc,
+        "steps_measured": len(rows),
+        "tokens_per_step": rows[0]["tokens"],
+        "median_tokens_per_s": statistics.median(tps),
+        "median_step_time_s": statistics.median(r["step_time_s"] for r in rows),
+        "overrides": overrides,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        data = ensure_local_dataset(tmp / "data")
+        corpus = f"data_stages.0.data.dataset={{dataset_folder: {data.corpus_dir}}}"
+        steps = f"tokens.train_steps={args.steps}"
+        common = [corpus, steps, "checkpoints.save_final_state=false"]
+        results.append(measure("tiny-cpu dp=2", tiny_config_path(), common, 2, tmp, 1800))
+        results.append(
+            measure(
+                "tiny-cpu tp=2 pp=2 dp=1",
+                tiny_config_path(),
+                common
+                + [
+                    "parallelism.dp=1",
+                    "parallelism.tp=2",
+                    "parallelism.pp=2",
+                    "tokens.batch_accumulation_per_replica=8",
+                ],
+                4,
+                tmp,
+                1800,
+            )
+        )
+        if torch.cuda.is_available():
+            gpu = [
+                steps,
+                "checkpoints.save_final_state=false",
+                "parallelism.dp=1",
+                "model.dtype=bfloat16",
+                "model.model_config.hidden_size=2048",
+                "model.model_config.intermediate_size=5504",
+                "model.model_config.num_attention_heads=16",
+                "model.model_config.num_key_value_heads=16",
+                "model.model_config.num_hidden_layers=16",
+                "model.model_config.vocab_size=32000",
+                "model.model_config.max_position_embeddings=2048",
+                "tokens.sequence_length=2048",
+                "tokens.micro_batch_size=4",
+                "tokens.batch_accumulation_per_replica=4",
+            ]
+            results.append(measure("llama-0.9B bf16 1 GPU", tiny_config_path(), gpu, 1, tmp, 3000))
+    machine = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": __import__("os").cpu_count(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+    }
+    (out / "throughput.json").write_text(json.dumps({"machine": machine, "results": results}, indent=2))
+    lines = [
+        f"Machine: {machine['processor']}, {machine['cpus']} CPUs, GPU: {machine['gpu']}, torch {machine['torch']}",
+        "",
+        "| run | ranks | tokens/step | median step time (s) | median tokens/s |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['name']} | {r['ranks']} | {r['tokens_per_step']} | {r['median_step_time_s']:.4f} | "
+            f"{r['median_tokens_per_s']:.0f} |"
+        )
+    (out / "throughput.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
