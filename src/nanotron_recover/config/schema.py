@@ -191,11 +191,54 @@ class TokenizerArgs:
     tokenizer_max_length: int | None = None
 
 
+Phase = Literal["forward", "backward", "gate", "reduce", "optimizer", "recovery"]
+
+
+@dataclass
+class FaultSpec:
+    """Kill one replica (all its ranks die with it) or one rank at an exact point of a step.
+
+    ``microbatch`` is the index, within what the victim computes in that phase, of the micro-batch
+    (forward/backward/recovery) or bucket (reduce) before which it dies.
+    """
+
+    step: int
+    phase: Phase = "forward"
+    replica: int | None = None
+    rank: int | None = None
+    microbatch: int = 0
+
+
+@dataclass
+class RandomFaults:
+    """Every ``every_steps`` steps kill one alive replica chosen by ``seed``, until
+    ``until_replicas`` are left."""
+
+    every_steps: int
+    seed: int = 0
+    until_replicas: int = 1
+
+
 @dataclass
 class RecoverArgs:
     """Forward recovery across data-parallel replicas (off by default)."""
 
     enabled: bool = False
+    # The DP reduction runs in buckets of this size; each bucket is snapshotted before it is reduced.
+    bucket_size_mb: float = 25.0
+    # How a torn bucket is restored: blocking copy, or (CUDA) on a side stream overlapped with the
+    # extra micro-batches; on CPU async falls back to blocking.
+    restore: Literal["blocking", "async"] = "blocking"
+    # Replicas left over by G = ceil(B/W) shadow a Major (free promotion) or idle.
+    spares: Literal["shadow", "off"] = "shadow"
+    # Below this many alive replicas the survivors checkpoint and stop.
+    min_replicas: int = 1
+    # Per-phase deadline after which a hung rank kills itself (null disables the watchdog).
+    watchdog_timeout_s: float | None = 600.0
+    # Replica-consistency gate: barrier in the replica's torch world before cross-replica traffic.
+    gate_timeout_s: float = 120.0
+    faults: list[FaultSpec] = field(default_factory=list)
+    random_faults: RandomFaults | None = None
 
 
 @dataclass

@@ -72,7 +72,9 @@ def validate_config(cfg: Config, check_paths: bool = True) -> None:
             raise ConfigError(f"tokens.{name} must be >= 1, got {getattr(t, name)}")
     sched = cfg.optimizer.learning_rate_scheduler
     if sched.lr_warmup_steps < 0:
-        raise ConfigError(f"optimizer.learning_rate_scheduler.lr_warmup_steps must be >= 0, got {sched.lr_warmup_steps}")
+        raise ConfigError(
+            f"optimizer.learning_rate_scheduler.lr_warmup_steps must be >= 0, got {sched.lr_warmup_steps}"
+        )
     if sched.lr_decay_steps is not None and sched.lr_decay_steps < 1:
         raise ConfigError(
             f"optimizer.learning_rate_scheduler.lr_decay_steps must be >= 1 or null, got {sched.lr_decay_steps}: "
@@ -92,11 +94,7 @@ def validate_config(cfg: Config, check_paths: bool = True) -> None:
         raise ConfigError(
             f"optimizer.zero_stage={cfg.optimizer.zero_stage} is not supported: set optimizer.zero_stage: 0"
         )
-    if cfg.recover.enabled:
-        raise ConfigError(
-            "recover.enabled: true needs the fault-tolerant trainer, which this version does not have yet; "
-            "set recover.enabled: false"
-        )
+    _validate_recover(cfg)
     if cfg.checkpoints.checkpoint_interval < 0:
         raise ConfigError("checkpoints.checkpoint_interval must be >= 0 (0 disables periodic checkpoints)")
     if cfg.checkpoints.checkpoint_interval and cfg.checkpoints.checkpoints_path is None:
@@ -131,3 +129,38 @@ def check_world_size(cfg: Config, world_size: int) -> None:
             f"world size {world_size} != tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {cfg.world_size}: "
             f"launch {cfg.world_size} ranks or change parallelism"
         )
+
+
+def _validate_recover(cfg: Config) -> None:
+    r, dp = cfg.recover, cfg.parallelism.dp
+    if r.bucket_size_mb <= 0:
+        raise ConfigError(f"recover.bucket_size_mb must be > 0, got {r.bucket_size_mb}")
+    if not 1 <= r.min_replicas <= dp:
+        raise ConfigError(f"recover.min_replicas={r.min_replicas} must be between 1 and parallelism.dp={dp}")
+    if r.gate_timeout_s <= 0:
+        raise ConfigError("recover.gate_timeout_s must be > 0")
+    world = cfg.world_size
+    for i, f in enumerate(r.faults):
+        where = f"recover.faults[{i}]"
+        if (f.replica is None) == (f.rank is None):
+            raise ConfigError(f"{where}: set exactly one of replica or rank")
+        if f.replica is not None and not 0 <= f.replica < dp:
+            raise ConfigError(f"{where}: replica {f.replica} does not exist (parallelism.dp={dp})")
+        if f.rank is not None and not 0 <= f.rank < world:
+            raise ConfigError(f"{where}: rank {f.rank} does not exist (world size {world})")
+        if not 1 <= f.step <= cfg.tokens.train_steps:
+            raise ConfigError(
+                f"{where}: step {f.step} is outside 1..tokens.train_steps={cfg.tokens.train_steps}"
+            )
+        if f.microbatch < 0:
+            raise ConfigError(f"{where}: microbatch must be >= 0")
+    rf = r.random_faults
+    if rf is not None:
+        if rf.every_steps < 1:
+            raise ConfigError("recover.random_faults.every_steps must be >= 1")
+        if not 1 <= rf.until_replicas <= dp:
+            raise ConfigError(
+                f"recover.random_faults.until_replicas must be between 1 and parallelism.dp={dp}"
+            )
+    if (r.faults or rf is not None) and not r.enabled:
+        raise ConfigError("recover.faults / recover.random_faults need recover.enabled: true")

@@ -1,0 +1,686 @@
+"""nanotron_recover.config: the schema, the strict loader, ``--set`` overrides and validation."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nanotron_recover.config import (
+    Config,
+    ConfigError,
+    HFDatasetArgs,
+    TokenizedDatasetArgs,
+    apply_override,
+    check_world_size,
+    config_from_dict,
+    dump_config,
+    from_dict,
+    load_config,
+)
+from nanotron_recover.config.loader import load_yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny_cpu.yaml"
+NANOTRON = Path(__file__).resolve().parent / "data" / "nanotron_config_tiny_llama.yaml"
+# What the Nanotron example needs to pass validation here: no sequence parallelism, and no
+# on-the-fly Hugging Face datasets (null = synthetic tokens).
+NANOTRON_FIXES = [
+    "parallelism.tp_mode=ALL_REDUCE",
+    "data_stages.0.data.dataset=null",
+    "data_stages.1.data.dataset=null",
+]
+
+
+def tiny(*overrides: str, check_paths: bool = True) -> Config:
+    return load_config(TINY, list(overrides), check_paths=check_paths)
+
+
+def tiny_error(*overrides: str, check_paths: bool = True) -> str:
+    with pytest.raises(ConfigError) as info:
+        tiny(*overrides, check_paths=check_paths)
+    return str(info.value)
+
+
+def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# -- Nanotron's own example ---------------------------------------------------------------------
+def test_nanotron_example_parses_into_the_schema_unchanged():
+    cfg = from_dict(Config, load_yaml(NANOTRON))
+
+    assert (cfg.parallelism.dp, cfg.parallelism.tp, cfg.parallelism.pp) == (2, 2, 2)
+    assert cfg.parallelism.tp_mode == "REDUCE_SCATTER"
+    assert cfg.parallelism.tp_linear_async_communication is True
+    assert cfg.world_size == 8
+    m = cfg.model.model_config
+    assert (m.hidden_size, m.intermediate_size, m.num_hidden_layers, m.vocab_size) == (16, 64, 2, 256)
+    assert (m.num_attention_heads, m.kv_heads, m.head_dim) == (4, 4, 4)
+    assert m.tie_word_embeddings is True
+    assert m.rms_norm_eps == 1e-5
+    assert cfg.model.dtype == "bfloat16"
+    assert cfg.model.init_method.std == 0.025 and cfg.model.init_method.path is None
+    sched = cfg.optimizer.learning_rate_scheduler
+    assert (sched.learning_rate, sched.lr_warmup_steps, sched.lr_decay_steps) == (3e-4, 2, 13)
+    assert (sched.lr_decay_style, sched.min_decay_lr) == ("cosine", 1e-5)
+    assert cfg.optimizer.optimizer_factory.torch_adam_is_fused is True
+    assert cfg.optimizer.clip_grad == 1.0 and cfg.optimizer.weight_decay == 0.01
+    assert [s.name for s in cfg.data_stages] == ["Stable Training Stage", "Annealing Phase"]
+    assert [s.start_training_step for s in cfg.data_stages] == [1, 10]
+    dataset = cfg.data_stages[0].data.dataset
+    assert isinstance(dataset, HFDatasetArgs)
+    assert dataset.hf_dataset_or_datasets == "stas/openwebtext-10k"
+    assert dataset.hf_dataset_splits == "train"
+    assert cfg.checkpoints.checkpoints_path == Path("checkpoints")
+    assert cfg.checkpoints.checkpoint_interval == 10
+    assert cfg.tokenizer.tokenizer_name_or_path == "gpt2"
+    assert (cfg.tokens.sequence_length, cfg.tokens.micro_batch_size, cfg.tokens.train_steps) == (256, 2, 15)
+    assert cfg.recover.enabled is False
+    assert cfg.lighteval is None and cfg.profiler is None
+
+
+def test_nanotron_example_validation_refuses_sequence_parallelism_first():
+    with pytest.raises(ConfigError) as info:
+        load_config(NANOTRON)
+    assert str(info.value) == (
+        "parallelism.tp_mode=REDUCE_SCATTER (sequence parallelism) is not implemented: "
+        "set parallelism.tp_mode: ALL_REDUCE"
+    )
+
+
+def test_nanotron_example_validation_refuses_an_unprocessed_hf_dataset():
+    with pytest.raises(ConfigError) as info:
+        load_config(NANOTRON, ["parallelism.tp_mode=ALL_REDUCE"])
+    message = str(info.value)
+    assert message.startswith("data_stages[0].data.dataset: hf_dataset_or_datasets is tokenized on the fly")
+    assert "`nanotron-recover preprocess`" in message and "dataset_folder" in message
+
+
+def test_nanotron_example_checks_every_stage_for_hf_datasets():
+    with pytest.raises(ConfigError, match=r"^data_stages\[1\]\.data\.dataset: hf_dataset_or_datasets"):
+        load_config(NANOTRON, NANOTRON_FIXES[:2])
+
+
+def test_nanotron_example_validates_after_the_two_fixes():
+    cfg = load_config(NANOTRON, NANOTRON_FIXES)
+
+    assert cfg.parallelism.tp_mode == "ALL_REDUCE"
+    assert [s.data.dataset for s in cfg.data_stages] == [None, None]
+    assert [s.data.seed for s in cfg.data_stages] == [42, 42]
+    check_world_size(cfg, 8)
+
+
+# -- strict loading: unknown keys ------------------------------------------------------------------
+def test_unknown_top_level_key_is_named_with_its_section():
+    data = load_yaml(TINY)
+    data["paralelism"] = {"tp": 2}
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    message = str(info.value)
+    assert message.startswith("unknown key 'paralelism' in section 'top level' (allowed: ")
+    assert "parallelism" in message.split("allowed: ")[1]
+
+
+def test_unknown_nested_key_names_the_full_section_path():
+    data = load_yaml(TINY)
+    data["model"]["model_config"]["hiden_size"] = 64
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    message = str(info.value)
+    assert message.startswith("unknown key 'hiden_size' in section 'model.model_config'")
+    assert "hidden_size" in message
+
+
+def test_unknown_key_inside_a_list_item_names_the_item_index():
+    data = load_yaml(NANOTRON)
+    data["data_stages"][1]["data"]["seeed"] = 3
+    with pytest.raises(ConfigError, match=r"^unknown key 'seeed' in section 'data_stages\[1\]\.data'"):
+        from_dict(Config, data)
+
+
+def test_unknown_keys_of_mixed_types_are_reported_not_crashed_on():
+    # YAML keys need not be strings (``1:``, ``on:``); sorting them must not raise TypeError.
+    data = load_yaml(TINY)
+    data["general"][1] = "x"
+    data["general"]["projcet"] = "y"
+    with pytest.raises(ConfigError, match=r"^unknown key 1 in section 'general'"):
+        config_from_dict(data)
+
+
+def test_typo_in_a_dataset_section_shows_the_offending_mapping():
+    data = load_yaml(TINY)
+    data["data_stages"][0]["data"]["dataset"] = {"dataset_foldr": "/data/corpus"}
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    assert str(info.value) == (
+        "data_stages[0].data.dataset: expected TokenizedDatasetArgs or HFDatasetArgs or null, "
+        "got {'dataset_foldr': '/data/corpus'}"
+    )
+
+
+def test_missing_required_key_is_named():
+    with pytest.raises(ConfigError) as info:
+        from_dict(TokenizedDatasetArgs, {"validate_tokenizer": True}, "data_stages[0].data.dataset")
+    assert str(info.value) == "missing required key 'dataset_folder' in section 'data_stages[0].data.dataset'"
+
+
+# -- strict loading: types -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ('tokens.micro_batch_size="two"', "tokens.micro_batch_size: expected an integer, got 'two'"),
+        ("tokens.train_steps=true", "tokens.train_steps: expected an integer, got True"),
+        ("tokens.sequence_length=64.0", "tokens.sequence_length: expected an integer, got 64.0"),
+        ("optimizer.weight_decay=false", "optimizer.weight_decay: expected a number, got False"),
+        ("optimizer.clip_grad=big", "optimizer.clip_grad: expected a number, got 'big'"),
+        (
+            "parallelism.recompute_layer=maybe",
+            "parallelism.recompute_layer: expected true or false, got 'maybe'",
+        ),
+        ("general.project=7", "general.project: expected a string, got 7"),
+        ("checkpoints.checkpoints_path=3", "checkpoints.checkpoints_path: expected a path, got 3"),
+        ("tokens.sequence_length=null", "tokens.sequence_length: expected an integer, got None"),
+        ("data_stages={name: x}", "data_stages: expected a list, got {'name': 'x'}"),
+        ("parallelism=3", "parallelism: expected a mapping (section ParallelismArgs), got 3"),
+        ("lighteval={tasks: x}", "lighteval: not supported by this engine; remove it or set it to null"),
+    ],
+)
+def test_wrong_type_names_the_field_and_the_value(override: str, message: str):
+    assert tiny_error(override) == message
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("parallelism.pp_engine=gpipe", "parallelism.pp_engine: must be one of 'afab', '1f1b', got 'gpipe'"),
+        (
+            "parallelism.tp_mode=all_reduce",
+            "parallelism.tp_mode: must be one of 'ALL_REDUCE', 'REDUCE_SCATTER', got 'all_reduce'",
+        ),
+        ("model.dtype=fp8", "model.dtype: must be one of 'float32', 'bfloat16', 'float16', got 'fp8'"),
+        (
+            "optimizer.learning_rate_scheduler.lr_decay_style=1-sqrt",
+            "optimizer.learning_rate_scheduler.lr_decay_style: must be one of 'linear', 'cosine', "
+            "'constant', got '1-sqrt'",
+        ),
+    ],
+)
+def test_literal_choice_lists_the_allowed_values(override: str, message: str):
+    assert tiny_error(override) == message
+
+
+def test_int_is_accepted_where_a_float_is_expected():
+    cfg = tiny("optimizer.learning_rate_scheduler.learning_rate=1")
+    assert cfg.optimizer.learning_rate_scheduler.learning_rate == 1.0
+    assert isinstance(cfg.optimizer.learning_rate_scheduler.learning_rate, float)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("1e-3", 1e-3), ("3.0e4", 3e4), ("-2.5E-2", -0.025), (".5e1", 5.0)]
+)
+def test_scientific_notation_is_a_number(text: str, value: float):
+    # PyYAML (YAML 1.1) loads these as strings; a float field must still take them.
+    cfg = tiny(f"optimizer.learning_rate_scheduler.learning_rate={text}")
+    assert cfg.optimizer.learning_rate_scheduler.learning_rate == value
+
+
+def test_scientific_notation_in_a_yaml_file_is_a_number(tmp_path: Path):
+    text = TINY.read_text().replace("learning_rate: 0.003", "learning_rate: 3e-3")
+    assert "learning_rate: 3e-3" in text
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.optimizer.learning_rate_scheduler.learning_rate == 0.003
+
+
+def test_a_numeric_looking_string_is_still_refused_for_an_int():
+    assert tiny_error("tokens.train_steps=1e3") == "tokens.train_steps: expected an integer, got '1e3'"
+
+
+# -- the YAML file itself --------------------------------------------------------------------------
+def test_missing_config_file(tmp_path: Path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(missing)
+    assert str(info.value) == f"config file {str(missing)!r} does not exist"
+
+
+def test_a_directory_is_not_a_config_file(tmp_path: Path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path)
+
+
+def test_invalid_yaml_is_one_line_with_the_position(tmp_path: Path):
+    path = write(tmp_path, "general:\n  seed: [1, 2\n  run: x\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"config file {str(path)!r} is not valid YAML: line 3, column ")
+    assert "expected ',' or ']'" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("text", ["- general\n- model\n", "just a string\n", "", "42\n"])
+def test_yaml_top_level_must_be_a_mapping(tmp_path: Path, text: str):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"config file {str(path)!r} must contain a mapping of sections"
+
+
+# -- validation: one test per rule -------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallelism.dp=0"], "parallelism.dp must be >= 1, got 0"),
+        (["parallelism.tp=0"], "parallelism.tp must be >= 1, got 0"),
+        (["parallelism.pp=-1"], "parallelism.pp must be >= 1, got -1"),
+        (
+            ["parallelism.expert_parallel_size=2"],
+            "parallelism.expert_parallel_size must be 1: LLaMA has no experts",
+        ),
+        (
+            ["model.model_config.hidden_size=66"],
+            "model_config.hidden_size 66 is not divisible by num_attention_heads 4",
+        ),
+        (
+            ["model.model_config.num_key_value_heads=3"],
+            "model_config.num_attention_heads 4 is not a multiple of num_key_value_heads 3",
+        ),
+        (
+            ["parallelism.tp=3"],
+            "parallelism.tp=3 does not divide model_config.num_attention_heads=4: "
+            "choose tp among the divisors of the head count",
+        ),
+        (
+            ["parallelism.tp=4"],
+            "parallelism.tp=4 does not divide model_config.num_key_value_heads=2: "
+            "each tensor-parallel rank needs whole key/value heads",
+        ),
+        (
+            ["parallelism.tp=2", "model.model_config.intermediate_size=129"],
+            "parallelism.tp=2 does not divide model_config.intermediate_size=129",
+        ),
+        (
+            ["parallelism.tp=2", "model.model_config.vocab_size=511"],
+            "parallelism.tp=2 does not divide model_config.vocab_size=511: "
+            "pad the vocabulary (model.make_vocab_size_divisible_by) or change tp",
+        ),
+        (
+            ["model.make_vocab_size_divisible_by=100"],
+            "model_config.vocab_size=512 is not a multiple of model.make_vocab_size_divisible_by=100",
+        ),
+        (
+            ["parallelism.pp=3"],
+            "parallelism.pp=3 is greater than model_config.num_hidden_layers=2: "
+            "every pipeline stage needs at least one layer",
+        ),
+        (
+            ["parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"],
+            "parallelism.tp_mode=REDUCE_SCATTER (sequence parallelism) is not implemented: "
+            "set parallelism.tp_mode: ALL_REDUCE",
+        ),
+        (
+            ["model.model_config.rope_scaling={type: linear, factor: 2.0}"],
+            "model_config.rope_scaling is not supported: set it to null",
+        ),
+        (["model.model_config.pretraining_tp=2"], "model_config.pretraining_tp must be 1"),
+        (
+            ["tokens.sequence_length=257"],
+            "tokens.sequence_length=257 exceeds model_config.max_position_embeddings=256",
+        ),
+        (["tokens.sequence_length=0"], "tokens.sequence_length must be >= 1, got 0"),
+        (["tokens.train_steps=0"], "tokens.train_steps must be >= 1, got 0"),
+        (["tokens.micro_batch_size=0"], "tokens.micro_batch_size must be >= 1, got 0"),
+        (
+            ["tokens.batch_accumulation_per_replica=-2"],
+            "tokens.batch_accumulation_per_replica must be >= 1, got -2",
+        ),
+        (
+            ["optimizer.learning_rate_scheduler.lr_warmup_steps=-1"],
+            "optimizer.learning_rate_scheduler.lr_warmup_steps must be >= 0, got -1",
+        ),
+        (
+            ["optimizer.learning_rate_scheduler.lr_decay_steps=0"],
+            "optimizer.learning_rate_scheduler.lr_decay_steps must be >= 1 or null, got 0: "
+            "for a constant rate set lr_decay_style: constant",
+        ),
+        (
+            ["model.init_method.path=/ckpt/step_10"],
+            "model.init_method must set exactly one of std (random init) or path (checkpoint)",
+        ),
+        (
+            ["model.init_method.std=null"],
+            "model.init_method must set exactly one of std (random init) or path (checkpoint)",
+        ),
+        (["model.init_method.std=0"], "model.init_method.std must be > 0, got 0.0"),
+        (
+            ["optimizer.zero_stage=1"],
+            "optimizer.zero_stage=1 is not supported: set optimizer.zero_stage: 0",
+        ),
+        (
+            ["optimizer.zero_stage=1", "recover.enabled=true"],
+            "optimizer.zero_stage > 0 cannot be used with recover.enabled: a ZeRO shard lost with "
+            "its replica could not be recovered; set optimizer.zero_stage: 0",
+        ),
+        (
+            ["checkpoints.checkpoint_interval=-1"],
+            "checkpoints.checkpoint_interval must be >= 0 (0 disables periodic checkpoints)",
+        ),
+        (
+            ["checkpoints.checkpoint_interval=5"],
+            "checkpoints.checkpoint_interval is set but checkpoints.checkpoints_path is null",
+        ),
+        (["data_stages=[]"], "data_stages must list at least one stage"),
+        (
+            ["data_stages.0.start_training_step=2"],
+            "data_stages: one stage must have start_training_step: 1",
+        ),
+        (
+            ["data_stages=[{name: a, start_training_step: 1}, {name: b, start_training_step: 1}]"],
+            "data_stages: two stages share a start_training_step ([1, 1])",
+        ),
+    ],
+)
+def test_validation_rule_message(overrides: list[str], message: str):
+    assert tiny_error(*overrides) == message
+
+
+RECOVER_ON = "recover.enabled=true"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["recover.bucket_size_mb=0"], "recover.bucket_size_mb must be > 0, got 0.0"),
+        (["recover.min_replicas=0"], "recover.min_replicas=0 must be between 1 and parallelism.dp=2"),
+        (["recover.min_replicas=3"], "recover.min_replicas=3 must be between 1 and parallelism.dp=2"),
+        (["recover.gate_timeout_s=0"], "recover.gate_timeout_s must be > 0"),
+        (
+            [RECOVER_ON, "recover.faults=[{step: 2, replica: 0, rank: 1}]"],
+            "recover.faults[0]: set exactly one of replica or rank",
+        ),
+        ([RECOVER_ON, "recover.faults=[{step: 2}]"], "recover.faults[0]: set exactly one of replica or rank"),
+        (
+            [RECOVER_ON, "recover.faults=[{step: 2, replica: 1}, {step: 3, replica: 2}]"],
+            "recover.faults[1]: replica 2 does not exist (parallelism.dp=2)",
+        ),
+        (
+            [RECOVER_ON, "recover.faults=[{step: 2, rank: 2}]"],
+            "recover.faults[0]: rank 2 does not exist (world size 2)",
+        ),
+        (
+            [RECOVER_ON, "recover.faults=[{step: 21, replica: 0}]"],
+            "recover.faults[0]: step 21 is outside 1..tokens.train_steps=20",
+        ),
+        (
+            [RECOVER_ON, "recover.faults=[{step: 0, replica: 0}]"],
+            "recover.faults[0]: step 0 is outside 1..tokens.train_steps=20",
+        ),
+        (
+            [RECOVER_ON, "recover.faults=[{step: 2, replica: 0, microbatch: -1}]"],
+            "recover.faults[0]: microbatch must be >= 0",
+        ),
+        (
+            [RECOVER_ON, "recover.random_faults={every_steps: 0}"],
+            "recover.random_faults.every_steps must be >= 1",
+        ),
+        (
+            [RECOVER_ON, "recover.random_faults={every_steps: 2, until_replicas: 3}"],
+            "recover.random_faults.until_replicas must be between 1 and parallelism.dp=2",
+        ),
+        (
+            ["recover.faults=[{step: 2, replica: 0}]"],
+            "recover.faults / recover.random_faults need recover.enabled: true",
+        ),
+        (
+            ["recover.random_faults={every_steps: 2}"],
+            "recover.faults / recover.random_faults need recover.enabled: true",
+        ),
+    ],
+)
+def test_recover_rule_message(overrides: list[str], message: str):
+    assert tiny_error(*overrides) == message
+
+
+def test_recover_fault_phase_is_a_literal_choice():
+    message = tiny_error(RECOVER_ON, "recover.faults=[{step: 2, replica: 0, phase: backwards}]")
+    assert message.startswith("recover.faults[0].phase: must be one of 'forward', 'backward', ")
+    assert message.endswith("got 'backwards'")
+
+
+def test_recover_enabled_with_faults_validates():
+    cfg = tiny(
+        RECOVER_ON, "recover.faults=[{step: 2, replica: 1, phase: reduce, microbatch: 1}, {step: 3, rank: 0}]"
+    )
+    assert cfg.recover.enabled is True
+    assert [(f.step, f.phase, f.replica, f.rank, f.microbatch) for f in cfg.recover.faults] == [
+        (2, "reduce", 1, None, 1),
+        (3, "forward", None, 0, 0),
+    ]
+
+
+def test_init_from_a_checkpoint_path_alone_is_valid():
+    cfg = tiny("model.init_method={path: /ckpt/step_10}")
+    assert cfg.model.init_method.path == Path("/ckpt/step_10")
+    assert cfg.model.init_method.std is None
+
+
+def test_shapes_that_divide_evenly_validate():
+    cfg = tiny("parallelism.tp=2", "parallelism.pp=2", "parallelism.dp=1")
+    assert cfg.world_size == 4
+
+
+def test_missing_dataset_folder_is_named(tmp_path: Path):
+    missing = tmp_path / "corpus"
+    message = tiny_error(f"data_stages.0.data.dataset={{dataset_folder: {missing}}}")
+    assert message == (
+        f"data_stages[0].data.dataset.dataset_folder {str(missing)!r} does not exist: run "
+        "`nanotron-recover preprocess --out` into it or fix the path"
+    )
+
+
+def test_missing_dataset_folder_is_not_checked_without_check_paths(tmp_path: Path):
+    missing = tmp_path / "corpus"
+    cfg = tiny(f"data_stages.0.data.dataset={{dataset_folder: {missing}}}", check_paths=False)
+    assert cfg.data_stages[0].data.dataset == TokenizedDatasetArgs(dataset_folder=missing)
+
+
+def test_existing_dataset_folder_validates(tmp_path: Path):
+    cfg = tiny(f"data_stages.0.data.dataset.dataset_folder={tmp_path}")
+    assert isinstance(cfg.data_stages[0].data.dataset, TokenizedDatasetArgs)
+    assert cfg.data_stages[0].data.dataset.dataset_folder == tmp_path
+
+
+def test_check_world_size_accepts_the_product():
+    cfg = tiny("parallelism.tp=2", "parallelism.pp=2", "parallelism.dp=3")
+    check_world_size(cfg, 12)
+
+
+@pytest.mark.parametrize("world_size", [1, 11, 13, 24])
+def test_check_world_size_refuses_any_other_count(world_size: int):
+    cfg = tiny("parallelism.tp=2", "parallelism.pp=2", "parallelism.dp=3")
+    with pytest.raises(ConfigError) as info:
+        check_world_size(cfg, world_size)
+    assert str(info.value) == (
+        f"world size {world_size} != tp*pp*dp = 2*2*3 = 12: launch 12 ranks or change parallelism"
+    )
+
+
+# -- --set overrides -------------------------------------------------------------------------------
+def test_override_nested_scalar_keeps_the_rest_of_the_section():
+    data = load_yaml(TINY)
+    apply_override(data, "parallelism.tp=2")
+    assert data["parallelism"] == {"dp": 2, "tp": 2, "pp": 1, "pp_engine": "1f1b", "tp_mode": "ALL_REDUCE"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"),
+    [
+        ("7", 7),
+        ("0.25", 0.25),
+        ("null", None),
+        ("", None),
+        ("[1, 2]", [1, 2]),
+        ("{a: 1}", {"a": 1}),
+        ("true", True),
+        ("'7'", "7"),
+        ("a=b", "a=b"),
+    ],
+)
+def test_override_value_is_parsed_as_yaml(raw: str, value: object):
+    data: dict = {"general": {"run": "x"}}
+    apply_override(data, f"general.run={raw}")
+    assert data["general"]["run"] == value
+    assert type(data["general"]["run"]) is type(value)
+
+
+def test_override_list_item_by_index():
+    data = load_yaml(NANOTRON)
+    apply_override(data, "data_stages.0.data.seed=7")
+    assert data["data_stages"][0]["data"]["seed"] == 7
+    assert data["data_stages"][1]["data"]["seed"] == 42
+
+
+def test_override_replaces_a_whole_list_item():
+    data = load_yaml(NANOTRON)
+    apply_override(data, "data_stages.1={name: last, start_training_step: 12}")
+    assert data["data_stages"][1] == {"name": "last", "start_training_step": 12}
+
+
+def test_override_list_value_reaches_the_config():
+    data = load_yaml(NANOTRON)
+    apply_override(data, "data_stages.0.data.dataset.hf_dataset_splits=[train, test]")
+    parsed = from_dict(Config, data)
+    assert parsed.data_stages[0].data.dataset.hf_dataset_splits == ["train", "test"]
+
+
+def test_override_creates_a_missing_section():
+    data = load_yaml(TINY)
+    del data["recover"]
+    apply_override(data, "recover.enabled=false")
+    assert data["recover"] == {"enabled": False}
+    assert config_from_dict(data).recover.enabled is False
+
+
+def test_override_fills_a_null_section():
+    data = load_yaml(TINY)
+    assert data["data_stages"][0]["data"]["dataset"] is None
+    apply_override(data, "data_stages.0.data.dataset.dataset_folder=/corpus")
+    assert data["data_stages"][0]["data"]["dataset"] == {"dataset_folder": "/corpus"}
+
+
+def test_override_new_key_is_then_rejected_by_the_strict_loader():
+    data = load_yaml(TINY)
+    apply_override(data, "parallelism.foo=1")
+    assert data["parallelism"]["foo"] == 1
+    with pytest.raises(ConfigError, match=r"^unknown key 'foo' in section 'parallelism'"):
+        config_from_dict(data)
+
+
+def test_override_new_key_through_load_config():
+    with pytest.raises(ConfigError, match=r"^unknown key 'warmup' in section 'optimizer'"):
+        tiny("optimizer.warmup=3")
+
+
+@pytest.mark.parametrize(
+    ("assignment", "message"),
+    [
+        ("no_equals", "--set 'no_equals': expected KEY=VALUE, e.g. parallelism.tp=2"),
+        ("a..b=1", "--set 'a..b=1': empty key in 'a..b'"),
+        ("=1", "--set '=1': empty key in ''"),
+        ("parallelism.=1", "--set 'parallelism.=1': empty key in 'parallelism.'"),
+        ("data_stages.3.data.seed=1", "--set data_stages.3: '3' is not an index of a list of length 1"),
+        ("data_stages.1=null", "--set data_stages.1: '1' is not an index of a list of length 1"),
+        ("data_stages.-1.name=x", "--set data_stages.-1: '-1' is not an index of a list of length 1"),
+        (
+            "data_stages.first.name=x",
+            "--set data_stages.first: 'first' is not an index of a list of length 1",
+        ),
+        ("parallelism.tp.size=2", "--set 'parallelism.tp.size=2': parallelism.tp is not a section"),
+        ("parallelism.tp.size.x=2", "--set parallelism.tp.size: parent is not a section"),
+    ],
+)
+def test_malformed_override_is_refused(assignment: str, message: str):
+    data = load_yaml(TINY)
+    before = copy.deepcopy(data)
+    with pytest.raises(ConfigError) as info:
+        apply_override(data, assignment)
+    assert str(info.value) == message
+    assert data == before
+
+
+def test_override_value_that_is_not_yaml_is_a_config_error():
+    data = load_yaml(TINY)
+    with pytest.raises(ConfigError) as info:
+        apply_override(data, "general.run=[1,")
+    message = str(info.value)
+    assert message.startswith("--set 'general.run=[1,': value is not valid YAML: line 1, column 4: ")
+    assert "\n" not in message
+    assert data["general"]["run"] == "tiny_cpu"
+
+
+# -- data stages, derived sizes, dump -----------------------------------------------------------
+@pytest.mark.parametrize(
+    ("step", "name"),
+    [
+        (1, "Stable Training Stage"),
+        (9, "Stable Training Stage"),
+        (10, "Annealing Phase"),
+        (15, "Annealing Phase"),
+    ],
+)
+def test_stage_for_step_picks_the_last_started_stage(step: int, name: str):
+    cfg = load_config(NANOTRON, NANOTRON_FIXES)
+    assert cfg.stage_for_step(step).name == name
+
+
+def test_stage_for_step_does_not_depend_on_list_order():
+    cfg = load_config(
+        TINY,
+        [
+            "data_stages=[{name: c, start_training_step: 20}, {name: a, start_training_step: 1}, "
+            "{name: b, start_training_step: 5}]"
+        ],
+    )
+    assert [cfg.stage_for_step(s).name for s in (1, 4, 5, 19, 20, 100)] == ["a", "a", "b", "b", "c", "c"]
+
+
+def test_derived_sizes_of_the_tiny_config():
+    cfg = tiny()
+    assert cfg.world_size == 2
+    assert cfg.microbatches_per_step == 2 * 4
+    assert cfg.tokens_per_step == 8 * 2 * 64
+
+
+def test_dump_config_round_trips_the_tiny_config(tmp_path: Path):
+    cfg = tiny()
+    path = write(tmp_path, dump_config(cfg), "dumped.yaml")
+    assert load_config(path) == cfg
+
+
+def test_dump_config_round_trips_paths_lists_and_floats(tmp_path: Path):
+    cfg = load_config(
+        NANOTRON,
+        [
+            *NANOTRON_FIXES,
+            "data_stages.1.data.dataset.dataset_folder=/corpora/anneal",
+            "model.init_method={path: /ckpt/step_10}",
+            "optimizer.learning_rate_scheduler.min_decay_lr=1e-7",
+        ],
+        check_paths=False,
+    )
+    text = dump_config(cfg)
+    assert list(yaml.safe_load(text))[:3] == ["general", "parallelism", "model"]
+    loaded = load_config(write(tmp_path, text, "dumped.yaml"), check_paths=False)
+    assert loaded == cfg
+    assert loaded.data_stages[1].data.dataset.dataset_folder == Path("/corpora/anneal")
+    assert loaded.optimizer.learning_rate_scheduler.min_decay_lr == 1e-7
+
+
+def test_dump_config_round_trips_an_unvalidated_nanotron_config():
+    cfg = from_dict(Config, load_yaml(NANOTRON))
+    assert from_dict(Config, yaml.safe_load(dump_config(cfg))) == cfg
