@@ -1,0 +1,61 @@
+"""Fault tolerance: the ULFM communicator, world epochs, topology and fail-stop (DESIGN.md section 3.1).
+
+The communicator names are re-exported lazily: importing ``mpi4py.MPI`` initializes
+MPI, which a process that only needs the topology or the watchdog (a unit test,
+the policy code, a CLI tool) must not pay for or be affected by.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .failstop import Watchdog, fail_stop
+from .topology import RankCoords, Topology
+
+if TYPE_CHECKING:
+    from .comm import (
+        FAULT_ERROR_CLASSES,
+        FaultTolerantComm,
+        FTError,
+        RecoveryResult,
+        StaleEpoch,
+        TooFewReplicas,
+        WorldChanged,
+        is_fault,
+    )
+
+_COMM_NAMES = frozenset(
+    {
+        "FAULT_ERROR_CLASSES",
+        "FTError",
+        "FaultTolerantComm",
+        "RecoveryResult",
+        "StaleEpoch",
+        "TooFewReplicas",
+        "WorldChanged",
+        "is_fault",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _COMM_NAMES:
+        return getattr(importlib.import_module(".comm", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "FAULT_ERROR_CLASSES",
+    "FTError",
+    "FaultTolerantComm",
+    "RankCoords",
+    "RecoveryResult",
+    "StaleEpoch",
+    "TooFewReplicas",
+    "Topology",
+    "Watchdog",
+    "WorldChanged",
+    "fail_stop",
+    "is_fault",
+]

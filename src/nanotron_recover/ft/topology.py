@@ -1,0 +1,117 @@
+"""Pure mapping between MPI ranks and (replica, pp, tp) coordinates.
+
+The job is launched as ``W_init * PP * TP`` MPI ranks (DESIGN.md section 2).
+The mapping is fixed for the lifetime of the job and never depends on which
+ranks are still alive, so any rank can compute any other rank's coordinates
+(and the failed replicas from a set of failed ranks) without communication:
+
+1. ``replica = rank // (TP * PP)`` -- a replica is a contiguous block of ranks,
+   which keeps one replica's torch.distributed world on as few nodes as possible.
+2. ``local_rank = rank % (TP * PP)`` -- the rank inside the replica's torch world.
+3. ``pp = local_rank // TP`` and ``tp = local_rank % TP`` -- TP is the fastest
+   moving coordinate, so TP peers (the most communication-heavy group) are
+   neighbours.
+
+The DP group of coordinate ``(pp, tp)`` is the set of ranks with that local rank
+across the alive replicas; its members are ordered by replica id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """Where one MPI rank sits in the 3D grid."""
+
+    rank: int
+    replica: int
+    local_rank: int
+    pp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The static grid: ``n_replicas`` replicas of ``pp * tp`` ranks each."""
+
+    tp: int
+    pp: int
+    n_replicas: int
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "n_replicas"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks per replica (``TP * PP``)."""
+        return self.tp * self.pp
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the initial job (``W_init * TP * PP``)."""
+        return self.n_replicas * self.replica_size
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside [0, {self.world_size})")
+
+    def replica_of(self, rank: int) -> int:
+        self._check_rank(rank)
+        return rank // self.replica_size
+
+    def local_rank_of(self, rank: int) -> int:
+        self._check_rank(rank)
+        return rank % self.replica_size
+
+    def coords(self, rank: int) -> RankCoords:
+        """The (replica, local rank, pp, tp) of an initial MPI rank."""
+        self._check_rank(rank)
+        local = rank % self.replica_size
+        return RankCoords(
+            rank=rank,
+            replica=rank // self.replica_size,
+            local_rank=local,
+            pp=local // self.tp,
+            tp=local % self.tp,
+        )
+
+    def local_rank(self, pp: int, tp: int) -> int:
+        """Local rank of coordinate ``(pp, tp)`` inside any replica."""
+        if not (0 <= pp < self.pp and 0 <= tp < self.tp):
+            raise ValueError(f"(pp={pp}, tp={tp}) outside grid pp={self.pp} tp={self.tp}")
+        return pp * self.tp + tp
+
+    def rank_of(self, replica: int, pp: int, tp: int) -> int:
+        """Initial MPI rank of ``(replica, pp, tp)``."""
+        if not 0 <= replica < self.n_replicas:
+            raise ValueError(f"replica {replica} outside [0, {self.n_replicas})")
+        return replica * self.replica_size + self.local_rank(pp, tp)
+
+    def ranks_of_replica(self, replica: int) -> list[int]:
+        """All initial MPI ranks of one replica, in local-rank order."""
+        if not 0 <= replica < self.n_replicas:
+            raise ValueError(f"replica {replica} outside [0, {self.n_replicas})")
+        start = replica * self.replica_size
+        return list(range(start, start + self.replica_size))
+
+    def dp_group_ranks(self, pp: int, tp: int, replicas: Iterable[int] | None = None) -> list[int]:
+        """Initial ranks of the DP group of ``(pp, tp)`` over ``replicas`` (default: all), by replica id."""
+        chosen = range(self.n_replicas) if replicas is None else sorted(set(replicas))
+        return [self.rank_of(r, pp, tp) for r in chosen]
+
+    def replicas_of(self, ranks: Iterable[int]) -> list[int]:
+        """Sorted distinct replicas that contain any of ``ranks``."""
+        return sorted({self.replica_of(r) for r in ranks})
+
+    def complete_replicas(self, ranks: Iterable[int]) -> list[int]:
+        """Sorted replicas all of whose ranks are in ``ranks`` (a replica missing any rank is failed)."""
+        present = set(ranks)
+        return [
+            rep for rep in range(self.n_replicas) if all(r in present for r in self.ranks_of_replica(rep))
+        ]
