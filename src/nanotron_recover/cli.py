@@ -70,7 +70,20 @@ def mpirun_path() -> str:
 
 
 def mpirun_command(nproc: int, program: list[str], oversubscribe: bool = True) -> list[str]:
-    cmd = [mpirun_path(), "--with-ft", "ulfm", "--mca", "coll", "^han,cuda", "--bind-to", "none"]
+    # ULFM on; HAN and cuda collectives do not propagate errors; finalize must not wait on dead
+    # ranks (a survivor's MPI_Finalize can otherwise block forever after a SIGKILLed peer).
+    cmd = [
+        mpirun_path(),
+        "--with-ft",
+        "ulfm",
+        "--mca",
+        "coll",
+        "^han,cuda",
+        "--mca",
+        "async_mpi_finalize",
+        "1",
+    ]
+    cmd += ["--bind-to", "none"]
     if oversubscribe:
         cmd.append("--oversubscribe")
     if os.geteuid() == 0:

@@ -1,5 +1,6 @@
 """Metrics and incident logs."""
 
+from .incidents import IncidentLog, read_incidents
 from .metrics import MetricsWriter, ids_digest, read_metrics
 
-__all__ = ["MetricsWriter", "ids_digest", "read_metrics"]
+__all__ = ["IncidentLog", "MetricsWriter", "ids_digest", "read_incidents", "read_metrics"]

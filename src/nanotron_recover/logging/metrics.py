@@ -24,18 +24,35 @@ class MetricsWriter:
     def __init__(self, path: str | Path, truncate_after_step: int | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if truncate_after_step is not None and self.path.exists():
-            # A resumed run rewrites the steps after its checkpoint; drop the stale ones first.
-            kept = [r for r in read_metrics(self.path) if r["step"] <= truncate_after_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        # Keep the complete records already there: a resumed run drops the steps after its
+        # checkpoint (it redoes them); a writer taking over from a failed one (fault-tolerant mode)
+        # drops a line its predecessor died in the middle of and continues after the last step.
+        kept = _complete_records(self.path.read_text()) if self.path.exists() else []
+        if truncate_after_step is not None:
+            kept = [r for r in kept if r["step"] <= truncate_after_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self.last_step = max((r["step"] for r in kept), default=0)
         self._file = self.path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:
+        if record["step"] <= self.last_step:
+            return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        self.last_step = record["step"]
 
     def close(self) -> None:
         self._file.close()
+
+
+def _complete_records(text: str) -> list[dict[str, Any]]:
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            break  # a torn last line
+    return records
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -16,6 +16,8 @@ backward, then drains the remaining backwards.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ...models.llama import LlamaStage
@@ -30,9 +32,14 @@ class PipelineEngine:
         self.p2p = P2P(ctx, (micro_batch_size, sequence_length, stage.cfg.hidden_size), act_dtype)
         self._inputs: dict[int, torch.Tensor] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        # Called as hook("forward"|"backward", i) before micro-batch i goes that way: the
+        # fault-tolerant mode injects faults and syncs asynchronous restores there.
+        self.event_hook: Callable[[str, int], None] | None = None
 
     # -- one micro-batch each way ------------------------------------------------------------
     def _forward(self, i: int, mb: torch.Tensor, loss_scale: float, losses: list[torch.Tensor]) -> None:
+        if self.event_hook is not None:
+            self.event_hook("forward", i)
         if self.ctx.is_first_stage:
             x = mb[:, :-1].to(self.ctx.device)
         else:
@@ -47,6 +54,8 @@ class PipelineEngine:
         self._inputs[i], self._outputs[i] = x, out
 
     def _backward(self, i: int) -> None:
+        if self.event_hook is not None:
+            self.event_hook("backward", i)
         x, out = self._inputs.pop(i), self._outputs.pop(i)
         if self.ctx.is_last_stage:
             out.backward()

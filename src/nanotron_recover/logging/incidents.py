@@ -1,0 +1,33 @@
+"""Incident log: ``<run_dir>/incidents.jsonl``, one JSON object per failure the job survived.
+
+Keys: step, phase, failed_replicas, failed_ranks, epoch (the world epoch after recovery), action
+(``promote_spare`` | ``policy_boundary`` | ``mixed`` | ``none``), lost_ids, extra_microbatches,
+detect_s (the victim's death to the logging survivor noticing; null for faults that were not
+injected, whose time of death is unknown), recover_s (noticing to the step committed, minus the
+time spent recomputing lost micro-batches).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class IncidentLog:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def read_incidents(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "incidents.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

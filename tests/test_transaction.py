@@ -1,0 +1,188 @@
+"""Forward recovery end to end: real mpirun jobs on CPU whose ranks really SIGKILL themselves.
+
+Every faulty run is compared with the plain (fault-free) run of the same config: each step must
+consume the same micro-batch ids (``ids_digest``), have the same loss (1e-5 relative), and the
+surviving replicas must end with bitwise identical parameters.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mpirun_utils import REPO, check, run_cli
+
+from nanotron_recover.logging import read_incidents, read_metrics
+
+CONFIG = str(REPO / "configs" / "tiny_cpu.yaml")
+STEPS = 12
+
+
+def run(run_dir: Path, corpus: Path, sets: list[str], nproc: int, expect_ok: bool = True):
+    args = ["train", "--config", CONFIG, "--run-dir", str(run_dir)]
+    common = [
+        f"tokens.train_steps={STEPS}",
+        f"data_stages.0.data.dataset={{dataset_folder: {corpus}}}",
+        f"checkpoints.checkpoints_path={run_dir / 'checkpoints'}",
+        "checkpoints.save_final_state=false",
+        "recover.watchdog_timeout_s=120",
+        "recover.gate_timeout_s=30",
+    ]
+    for s in common + sets:
+        args += ["--set", s]
+    result = run_cli(args, nproc=nproc, timeout=300)
+    if expect_ok:
+        check(result)
+    return result
+
+
+def layout(tp: int, pp: int, dp: int, g: int, engine: str = "1f1b") -> list[str]:
+    return [
+        f"parallelism.tp={tp}",
+        f"parallelism.pp={pp}",
+        f"parallelism.dp={dp}",
+        f"tokens.batch_accumulation_per_replica={g}",
+        f"parallelism.pp_engine={engine}",
+    ]
+
+
+def recover(faults: list[dict], **extra) -> list[str]:
+    sets = ["recover.enabled=true", f"recover.faults={json.dumps(faults)}"]
+    return sets + [f"recover.{k}={v}" for k, v in extra.items()]
+
+
+def assert_equivalent(run_dir: Path, reference: list[dict], survivors: list[int]) -> list[dict]:
+    got = read_metrics(run_dir)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for g, w in zip(got, reference, strict=True):
+        assert g["ids_digest"] == w["ids_digest"], f"step {g['step']} consumed other micro-batches"
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5), (
+            f"step {g['step']}: {g['loss']} vs {w['loss']}"
+        )
+    digests: dict[tuple[str, str], set[str]] = {}
+    replicas_seen = set()
+    for f in (run_dir / "parameters").glob("replica*_pp*_tp*.sha256"):
+        replica, pp, tp = f.stem.split("_")
+        replicas_seen.add(int(replica.removeprefix("replica")))
+        digests.setdefault((pp, tp), set()).add(f.read_text().strip())
+    assert replicas_seen == set(survivors), "only the survivors finish, and all of them do"
+    for coord, values in digests.items():
+        assert len(values) == 1, f"surviving replicas differ at {coord}"
+    return got
+
+
+# -- W_init = 4 replicas of tp=2 (8 ranks), G=2: B=8 -------------------------------------------
+W4_TP2 = layout(2, 1, 4, 2)
+
+PHASE_FAULTS = {
+    "forward": [{"step": 3, "replica": 1, "phase": "forward", "microbatch": 1}],
+    "backward": [{"step": 5, "replica": 2, "phase": "backward", "microbatch": 0}],
+    # One rank of the replica dies at the gate: its partner learns it at the gate barrier.
+    "gate": [{"step": 4, "rank": 3, "phase": "gate"}],
+    "reduce": [{"step": 6, "replica": 3, "phase": "reduce", "microbatch": 1}],
+    # After the commit: the step stands; the next step discovers the dead replica in its reduction
+    # and redistributes that replica's ids of the new step.
+    "optimizer": [{"step": 2, "replica": 0, "phase": "optimizer"}],
+    # A second replica dies while the survivors recompute the first one's micro-batches.
+    "recovery": [
+        {"step": 7, "replica": 1, "phase": "forward"},
+        {"step": 7, "replica": 2, "phase": "recovery"},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, local_dataset) -> list[dict]:
+    run_dir = tmp_path_factory.mktemp("plain")
+    run(run_dir, local_dataset.corpus_dir, layout(1, 1, 1, 8), 1)
+    return read_metrics(run_dir)
+
+
+def failed_replicas(faults: list[dict]) -> set[int]:
+    return {f["replica"] if "replica" in f else f["rank"] // 2 for f in faults}
+
+
+@pytest.mark.parametrize("phase", list(PHASE_FAULTS))
+def test_one_replica_lost_in_each_phase(tmp_path, local_dataset, plain, phase):
+    faults = PHASE_FAULTS[phase]
+    run(tmp_path, local_dataset.corpus_dir, W4_TP2 + recover(faults), 8)
+    lost = failed_replicas(faults)
+    got = assert_equivalent(tmp_path, plain, survivors=sorted(set(range(4)) - lost))
+    incidents = read_incidents(tmp_path)
+    assert sorted(r for i in incidents for r in i["failed_replicas"]) == sorted(lost)
+    assert {i["phase"] for i in incidents} == {f["phase"] for f in faults}
+    assert got[-1]["replicas"] == 4 - len(lost)
+    assert got[-1]["world_epoch"] == len(incidents)
+    for inc in incidents:
+        assert inc["action"] == "policy_boundary"
+        assert inc["extra_microbatches"] == len(inc["lost_ids"]) > 0
+        assert inc["detect_s"] is not None and inc["detect_s"] >= 0
+        assert inc["recover_s"] >= 0
+
+
+def test_two_replicas_lost_in_one_step(tmp_path, local_dataset, plain):
+    faults = [
+        {"step": 4, "replica": 0, "phase": "backward", "microbatch": 1},
+        {"step": 4, "replica": 2, "phase": "forward", "microbatch": 0},
+    ]
+    run(tmp_path, local_dataset.corpus_dir, W4_TP2 + recover(faults), 8)
+    got = assert_equivalent(tmp_path, plain, survivors=[1, 3])
+    incidents = read_incidents(tmp_path)
+    assert {r for i in incidents for r in i["failed_replicas"]} == {0, 2}
+    assert sum(len(i["lost_ids"]) for i in incidents) == 4, "two replicas of G=2 each"
+    step4 = next(r for r in got if r["step"] == 4)
+    assert step4["g_ext"] >= 1
+    assert got[-1]["g_cur"] == 4, "B=8 over 2 survivors"
+
+
+def test_pipeline_1f1b_replica_lost(tmp_path, local_dataset, plain):
+    """W_init=4 replicas of pp=2 (8 ranks) with 1F1B; a replica dies mid-backward."""
+    faults = [{"step": 5, "replica": 1, "phase": "backward", "microbatch": 1}]
+    run(tmp_path, local_dataset.corpus_dir, layout(1, 2, 4, 2, "1f1b") + recover(faults), 8)
+    assert_equivalent(tmp_path, plain, survivors=[0, 2, 3])
+
+
+def test_spare_promotion_costs_no_extra_microbatch(tmp_path, local_dataset, plain):
+    """W_init=8 replicas with G=1 (B=8). Once 3 are lost, W=5 gives G=2: 4 Majors and 1 Spare that
+    shadows the first Major (replica 0). Killing replica 0 then promotes the Spare: nothing is recomputed."""
+    faults = [
+        {"step": 2, "replica": 5, "phase": "forward"},
+        {"step": 2, "replica": 6, "phase": "forward"},
+        {"step": 2, "replica": 7, "phase": "forward"},
+        {"step": 4, "replica": 0, "phase": "backward"},
+    ]
+    run(tmp_path, local_dataset.corpus_dir, layout(1, 1, 8, 1) + recover(faults), 8)
+    assert_equivalent(tmp_path, plain, survivors=[1, 2, 3, 4])
+    incidents = read_incidents(tmp_path)
+    promoted = [i for i in incidents if i["step"] == 4]
+    assert len(promoted) == 1
+    assert promoted[0]["action"] == "promote_spare"
+    assert promoted[0]["extra_microbatches"] == 0
+    step4 = next(r for r in read_metrics(tmp_path) if r["step"] == 4)
+    assert step4["g_ext"] == 0
+
+
+def test_below_min_replicas_checkpoints_and_resumes(tmp_path, local_dataset, plain):
+    faults = [
+        {"step": 6, "replica": 1, "phase": "forward"},
+        {"step": 6, "replica": 2, "phase": "forward"},
+    ]
+    result = run(
+        tmp_path,
+        local_dataset.corpus_dir,
+        layout(1, 1, 4, 2) + recover(faults, min_replicas=3),
+        4,
+        expect_ok=False,
+    )
+    assert result.returncode != 0
+    assert "below recover.min_replicas=3" in result.output
+    assert "Saved step 5" in result.output
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
+    # Resume the same config in plain mode: the curve continues as if nothing happened.
+    run(tmp_path, local_dataset.corpus_dir, layout(1, 1, 4, 2), 4)
+    got = read_metrics(tmp_path)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for g, w in zip(got, plain, strict=True):
+        assert g["ids_digest"] == w["ids_digest"]
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
