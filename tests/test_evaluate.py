@@ -177,7 +177,8 @@ def test_eval_rejects_token_ids_outside_the_vocabulary(converted, tmp_path: Path
 
     result = run_cli(eval_args(case.config, case.checkpoint, bad), timeout=120)
 
-    assert result.returncode != 0
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert f"[0, {VOCAB})" in result.stderr
     assert f"found [0, {VOCAB}]" in result.stderr
 

@@ -14,7 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .config import ConfigError, load_config
+from .config import load_config
+from .errors import InputError
 
 
 class UserError(Exception):
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (ConfigError, CheckpointError, UserError, FileNotFoundError) as e:
+    except (InputError, CheckpointError, UserError, FileNotFoundError) as e:
         print(f"nanotron-recover {args.command}: error: {e}", file=sys.stderr, flush=True)
         return 2
 

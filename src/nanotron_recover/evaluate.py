@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from .checkpoint import CheckpointReader
 from .config import Config, check_world_size
+from .errors import InputError
 from .models.llama import LlamaStage
 from .parallel.context import ParallelContext
 from .parallel.pipeline_parallel import build_engine
@@ -37,9 +38,9 @@ def load_tokens(path: str | Path, vocab_size: int) -> torch.Tensor:
         raise FileNotFoundError(f"token file {str(path)!r} does not exist")
     arr = np.load(path)
     if arr.ndim != 2 or arr.shape[1] < 2:
-        raise ValueError(f"{path}: expected token ids of shape [batch, seq>=2], got {list(arr.shape)}")
+        raise InputError(f"{path}: expected token ids of shape [batch, seq>=2], got {list(arr.shape)}")
     if arr.min() < 0 or arr.max() >= vocab_size:
-        raise ValueError(f"{path}: token ids must lie in [0, {vocab_size}), found [{arr.min()}, {arr.max()}]")
+        raise InputError(f"{path}: token ids must lie in [0, {vocab_size}), found [{arr.min()}, {arr.max()}]")
     return torch.from_numpy(arr.astype(np.int64))
 
 

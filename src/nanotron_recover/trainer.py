@@ -70,6 +70,7 @@ class DataParallelMode(Protocol):
     def is_logger(self) -> bool: ...
     def is_checkpoint_writer(self) -> bool: ...
     def replica_id(self) -> int: ...
+    def abort(self, error: BaseException) -> None: ...
     def close(self) -> None: ...
 
 
@@ -128,6 +129,9 @@ class PlainDataParallel:
 
     def replica_id(self) -> int:
         return self.t.ctx.dp_rank
+
+    def abort(self, error: BaseException) -> None:
+        raise error
 
     def close(self) -> None:
         pass
@@ -282,15 +286,19 @@ class DistributedTrainer:
         if ck.save_initial_state and self.start_step == 0:
             self.save(0)
         last = t.train_steps if stop_after_step is None else min(stop_after_step, t.train_steps)
-        for step in range(self.start_step + 1, last + 1):
-            r = self.train_step(step)
-            results.append(r)
-            self._log(r)
-            due = ck.checkpoint_interval and step % ck.checkpoint_interval == 0
-            final = step == last and (ck.save_final_state or stop_after_step is not None)
-            if due or final:
-                self.save(step)
-        self.write_parameter_digest()
+        try:
+            for step in range(self.start_step + 1, last + 1):
+                r = self.train_step(step)
+                results.append(r)
+                self._log(r)
+                due = ck.checkpoint_interval and step % ck.checkpoint_interval == 0
+                final = step == last and (ck.save_final_state or stop_after_step is not None)
+                if due or final:
+                    self.save(step)
+            self.write_parameter_digest()
+        except Exception as error:
+            self.dp_mode.abort(error)
+            raise
         return results
 
     def write_parameter_digest(self) -> Path:

@@ -18,8 +18,10 @@ from typing import Any, Union
 
 import yaml
 
+from ..errors import InputError
 
-class ConfigError(ValueError):
+
+class ConfigError(InputError):
     """A config that cannot be used; the message says which field and what to change."""
 
 

@@ -129,6 +129,12 @@ class ForwardRecovery:
     def replica_id(self) -> int:
         return self.ftc.replica
 
+    def abort(self, error: BaseException) -> None:
+        """Any error escaping the step becomes a fail-stop: an exception exit would not be reported
+        to the other replicas (DESIGN.md section 4), which would then wait for this rank forever."""
+        traceback.print_exception(error)
+        fail_stop(f"rank {self.ftc.rank}: {type(error).__name__}: {error}")
+
     # -- phases --------------------------------------------------------------------------------
     def _engine_event(self, kind: str, index: int) -> None:
         if self.in_recovery:

@@ -1,0 +1,149 @@
+"""Cost of forward recovery on this machine.
+
+1. Steady state: median step time of the fault-tolerant mode with no faults over the plain mode, same
+   config and layout (the price of per-replica worlds, MPI reduction in snapshotted buckets, the
+   gate and the commit agree). Target: <= 1.05 on CPU.
+2. Per fault: ``detect_s`` (the victim's SIGKILL to the logging survivor noticing) and ``recover_s``
+   (noticing to the step committed, minus recomputed micro-batches), from runs that lose one replica
+   in each phase. Target: medians < 0.5 s on CPU.
+
+Writes ``benchmarks/results/recovery.json`` and ``recovery.md``.
+
+    python benchmarks/recovery.py [--steps 40] [--replicas 4] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from nanotron_recover.cli import mpirun_command
+from nanotron_recover.data import ensure_local_dataset
+from nanotron_recover.demo import tiny_config_path
+from nanotron_recover.logging import read_incidents, read_metrics
+
+WARMUP_STEPS = 3
+PHASES = ["forward", "backward", "gate", "reduce", "optimizer", "recovery"]
+
+
+def train(run_dir: Path, sets: list[str], nproc: int) -> None:
+    program = [sys.executable, "-m", "nanotron_recover.cli", "train", "--config", str(tiny_config_path())]
+    program += ["--run-dir", str(run_dir)]
+    program += [arg for s in sets for arg in ("--set", s)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run(
+        mpirun_command(nproc, program), check=True, timeout=1800, env=env, stdout=subprocess.DEVNULL
+    )
+
+
+def median_step_time(run_dir: Path) -> float:
+    return statistics.median(r["step_time_s"] for r in read_metrics(run_dir)[WARMUP_STEPS:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2, help="fault runs per phase")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    w = args.replicas
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        data = ensure_local_dataset(tmp / "data")
+        base = [
+            f"data_stages.0.data.dataset={{dataset_folder: {data.corpus_dir}}}",
+            f"parallelism.dp={w}",
+            "tokens.batch_accumulation_per_replica=2",
+            "checkpoints.save_final_state=false",
+        ]
+        steady = {}
+        for mode, extra in (("plain", []), ("recover", ["recover.enabled=true"])):
+            times = []
+            for rep in range(args.repeats):
+                run_dir = tmp / f"steady-{mode}-{rep}"
+                train(run_dir, base + [f"tokens.train_steps={args.steps}"] + extra, w)
+                times.append(median_step_time(run_dir))
+            steady[mode] = statistics.median(times)
+        ratio = steady["recover"] / steady["plain"]
+
+        incidents = []
+        fault_steps = 8
+        for phase in PHASES:
+            for rep in range(args.repeats):
+                faults = [{"step": 4, "replica": 1, "phase": phase}]
+                if phase == "recovery":
+                    faults = [
+                        {"step": 4, "replica": 1, "phase": "forward"},
+                        {"step": 4, "replica": 2, "phase": "recovery"},
+                    ]
+                run_dir = tmp / f"fault-{phase}-{rep}"
+                sets = base + [
+                    f"tokens.train_steps={fault_steps}",
+                    "recover.enabled=true",
+                    f"recover.faults={json.dumps(faults)}",
+                ]
+                train(run_dir, sets, w)
+                for inc in read_incidents(run_dir):
+                    incidents.append({**inc, "injected_phase": phase})
+    detect = [i["detect_s"] for i in incidents if i["detect_s"] is not None]
+    recover = [i["recover_s"] for i in incidents]
+    per_phase = {
+        phase: {
+            "detect_s_median": statistics.median(
+                [i["detect_s"] for i in incidents if i["phase"] == phase] or [float("nan")]
+            ),
+            "recover_s_median": statistics.median(
+                [i["recover_s"] for i in incidents if i["phase"] == phase] or [float("nan")]
+            ),
+            "faults": sum(i["phase"] == phase for i in incidents),
+        }
+        for phase in PHASES
+    }
+    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    summary = {
+        "machine": machine,
+        "replicas": w,
+        "steps": args.steps,
+        "steady_step_time_s": steady,
+        "steady_ratio_recover_over_plain": ratio,
+        "faults": len(incidents),
+        "detect_s_median": statistics.median(detect),
+        "recover_s_median": statistics.median(recover),
+        "per_phase": per_phase,
+        "incidents": incidents,
+    }
+    (out / "recovery.json").write_text(json.dumps(summary, indent=2))
+    lines = [
+        f"Machine: {machine['platform']}, {machine['cpus']} CPUs. Tiny LLaMA, {w} replicas (tp=pp=1), B={2 * w}.",
+        "",
+        "| steady state | plain | recover | ratio recover/plain (target <= 1.05) |",
+        "|---|---|---|---|",
+        f"| median step time (s) | {steady['plain']:.4f} | {steady['recover']:.4f} | {ratio:.3f} |",
+        "",
+        "| fault phase | faults | median detect_s | median recover_s |",
+        "|---|---|---|---|",
+    ]
+    for phase, v in per_phase.items():
+        lines.append(
+            f"| {phase} | {v['faults']} | {v['detect_s_median']:.4f} | {v['recover_s_median']:.4f} |"
+        )
+    lines.append(
+        f"| **all** | {len(incidents)} | {summary['detect_s_median']:.4f} | {summary['recover_s_median']:.4f} |"
+    )
+    (out / "recovery.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
