@@ -371,8 +371,18 @@ def test_yaml_top_level_must_be_a_mapping(tmp_path: Path, text: str):
             "checkpoints.checkpoint_interval must be >= 0 (0 disables periodic checkpoints)",
         ),
         (
-            ["checkpoints.checkpoint_interval=5"],
-            "checkpoints.checkpoint_interval is set but checkpoints.checkpoints_path is null",
+            ["recover.enabled=true", "recover.mode=checkpoint_restart"],
+            "recover.mode: checkpoint_restart needs checkpoints.checkpoint_interval >= 1",
+        ),
+        (
+            [
+                "recover.enabled=true",
+                "recover.mode=checkpoint_restart",
+                "checkpoints.checkpoint_interval=2",
+                "recover.faults=[{step: 2, replica: 0, phase: gate}]",
+            ],
+            "recover.faults[0]: phase 'gate' does not exist in checkpoint_restart mode "
+            "(choose forward, backward, reduce, optimizer)",
         ),
         (["data_stages=[]"], "data_stages must list at least one stage"),
         (

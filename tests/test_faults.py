@@ -58,4 +58,13 @@ def test_victim_records_its_death_and_is_killed(tmp_path):
     assert "alive" in proc.stdout and "not reached" not in proc.stdout
     deaths = read_deaths(tmp_path, [4, 5])
     assert len(deaths) == 1 and deaths[0]["rank"] == 4 and deaths[0]["phase"] == "gate"
-    assert json.loads((tmp_path / "faults" / "rank4.json").read_text())["step"] == 2
+    assert json.loads((tmp_path / "faults" / "step2_gate0_rank4.json").read_text())["step"] == 2
+
+
+def test_a_fault_fires_once_per_run(tmp_path):
+    """A relaunched job (checkpoint-restart) recomputes the step but must not die there again."""
+    args = RecoverArgs(enabled=True, faults=[FaultSpec(step=2, replica=0, phase="forward")])
+    inj = FaultInjector(args, 0, 0, tmp_path)
+    inj.begin_step(2, [0, 1])
+    inj._record_death(inj.current[0])  # what the first incarnation left before its SIGKILL
+    inj.maybe_fail("forward", 0)  # returns: already fired

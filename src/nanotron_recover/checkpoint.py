@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -88,6 +90,17 @@ def _barrier() -> None:
         dist.barrier()
 
 
+class PendingSave:
+    """An asynchronous save in flight: its tensors are staged in CPU memory and a thread writes them."""
+
+    def __init__(self, path: Path, thread: threading.Thread):
+        self.path, self._thread = path, thread
+
+    def wait(self) -> Path:
+        self._thread.join()
+        return self.path
+
+
 def save_checkpoint(
     root: str | Path,
     step: int,
@@ -99,20 +112,31 @@ def save_checkpoint(
     pp: int,
     dp_rank: int,
     extra: dict[str, Any] | None = None,
-) -> Path:
-    """Collective over the whole world: every rank calls it with its own stage."""
+    asynchronous: bool = False,
+) -> Path | PendingSave:
+    """Collective over the whole world: every rank calls it with its own stage.
+
+    The tensors are first staged: copied to CPU memory, synchronously, so training may change the
+    model right after the call. Then each rank writes its files and drops a ``done/rank<r>`` marker;
+    rank 0 waits for every marker, writes ``meta.json``, renames the folder and moves ``latest``.
+    Synchronous saves return the final path once all that is done (a barrier); asynchronous ones
+    return a ``PendingSave`` at once and write in a background thread, with no collective after
+    staging. A caller must ``wait()`` for a pending save before starting the next one.
+    """
     root = Path(root)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     if rank == 0:
         for stale in root.glob("step_*.tmp"):  # left by a job killed while saving
             shutil.rmtree(stale, ignore_errors=True)
-        for sub in ("model", "optimizer", "rng"):
+        for sub in ("model", "optimizer", "rng", "done"):
             (tmp / sub).mkdir(parents=True, exist_ok=True)
     _barrier()
 
+    tensors: dict[str, torch.Tensor] = {}
+    opt_tensors: dict[str, torch.Tensor] = {}
     if dp_rank == 0:
-        tensors, opt_tensors = {}, {}
         params = dict(stage.named_parameters())
         for name, spec in stage.specs.items():
             if spec.is_tied_copy:
@@ -120,45 +144,71 @@ def save_checkpoint(
             tensors[spec.canonical_name] = params[name].detach().cpu().contiguous().clone()
             for key, value in (optimizer_state or {}).get(name, {}).items():
                 opt_tensors[f"{key}/{spec.canonical_name}"] = value.detach().cpu().contiguous().clone()
-        save_file(tensors, tmp / _file("model", stage.pp_rank, stage.tp_rank))
-        if opt_tensors:
-            save_file(opt_tensors, tmp / _file("optimizer", stage.pp_rank, stage.tp_rank))
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, tmp / "rng" / f"rank{rank}.pt")
-    _barrier()
+    meta = _meta(cfg, step, tp, pp, world, optimizer_state is not None, extra) if rank == 0 else None
+    pp_rank, tp_rank = stage.pp_rank, stage.tp_rank
 
-    if rank == 0:
-        mcfg = cfg.model.model_config
-        specs = full_model_specs(mcfg)
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "layout": {"tp": tp, "pp": pp, "dp": cfg.parallelism.dp},
-            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-            "dtype": cfg.model.dtype,
-            "has_optimizer": optimizer_state is not None,
-            "model_config": asdict(mcfg),
-            "tensors": {
-                name: {
-                    "full_shape": list(spec.full_shape),
-                    "shard_dim": spec.shard_dim,
-                    "stage": canonical_stage(name, mcfg, pp),
-                }
-                for name, spec in specs.items()
-            },
-            "config_yaml": dump_config(cfg),
-            **(extra or {}),
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        pointer = root / "latest.tmp"
-        pointer.write_text(final.name)
-        os.replace(pointer, root / "latest")
+    def write() -> None:
+        if tensors:
+            save_file(tensors, tmp / _file("model", pp_rank, tp_rank))
+        if opt_tensors:
+            save_file(opt_tensors, tmp / _file("optimizer", pp_rank, tp_rank))
+        torch.save(rng, tmp / "rng" / f"rank{rank}.pt")
+        (tmp / "done" / f"rank{rank}").touch()
+        if rank == 0:
+            _finalize(root, tmp, final, meta, world)
+
+    if asynchronous:
+        thread = threading.Thread(target=write, name=f"checkpoint-step{step}", daemon=True)
+        thread.start()
+        return PendingSave(final, thread)
+    write()
     _barrier()
     return final
+
+
+def _meta(
+    cfg: Config, step: int, tp: int, pp: int, world: int, has_optimizer: bool, extra: dict | None
+) -> dict:
+    mcfg = cfg.model.model_config
+    specs = full_model_specs(mcfg)
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "layout": {"tp": tp, "pp": pp, "dp": cfg.parallelism.dp},
+        "world_size": world,
+        "dtype": cfg.model.dtype,
+        "has_optimizer": has_optimizer,
+        "model_config": asdict(mcfg),
+        "tensors": {
+            name: {
+                "full_shape": list(spec.full_shape),
+                "shard_dim": spec.shard_dim,
+                "stage": canonical_stage(name, mcfg, pp),
+            }
+            for name, spec in specs.items()
+        },
+        "config_yaml": dump_config(cfg),
+        **(extra or {}),
+    }
+
+
+def _finalize(root: Path, tmp: Path, final: Path, meta: dict, world: int, timeout_s: float = 3600.0) -> None:
+    """Rank 0: once every rank's files are written, publish the checkpoint atomically."""
+    deadline = time.monotonic() + timeout_s
+    while len(list((tmp / "done").iterdir())) < world:
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"{tmp}: not every rank finished writing within {timeout_s:.0f}s")
+        time.sleep(0.01)
+    shutil.rmtree(tmp / "done")
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    pointer = root / "latest.tmp"
+    pointer.write_text(final.name)
+    os.replace(pointer, root / "latest")
 
 
 class CheckpointReader:

@@ -70,21 +70,12 @@ def mpirun_path() -> str:
     return found
 
 
-def mpirun_command(nproc: int, program: list[str], oversubscribe: bool = True) -> list[str]:
-    # ULFM on; HAN and cuda collectives do not propagate errors; finalize must not wait on dead
-    # ranks (a survivor's MPI_Finalize can otherwise block forever after a SIGKILLed peer).
-    cmd = [
-        mpirun_path(),
-        "--with-ft",
-        "ulfm",
-        "--mca",
-        "coll",
-        "^han,cuda",
-        "--mca",
-        "async_mpi_finalize",
-        "1",
-    ]
-    cmd += ["--bind-to", "none"]
+def mpirun_command(nproc: int, program: list[str], oversubscribe: bool = True, ft: bool = True) -> list[str]:
+    """mpirun with ULFM on (``ft``), the HAN and cuda collectives off (they do not propagate errors),
+    and a finalize that does not wait on dead ranks (it can otherwise block forever after a SIGKILLed
+    peer). Without ``ft`` (the checkpoint-restart baseline) a dead rank makes mpirun end the job."""
+    cmd = [mpirun_path()] + (["--with-ft", "ulfm"] if ft else [])
+    cmd += ["--mca", "coll", "^han,cuda", "--mca", "async_mpi_finalize", "1", "--bind-to", "none"]
     if oversubscribe:
         cmd.append("--oversubscribe")
     if os.geteuid() == 0:
@@ -112,6 +103,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
         program += ["--set", o]
     if args.stop_after_step is not None:
         program += ["--stop-after-step", str(args.stop_after_step)]
+    if cfg.recover.enabled and cfg.recover.mode == "checkpoint_restart":
+        from .restart import run_with_restarts
+
+        ck = cfg.checkpoints
+        checkpoints = Path(ck.checkpoints_path) if ck.checkpoints_path else run_dir / "checkpoints"
+        cmd = mpirun_command(nproc, program, ft=False)
+        print(" ".join(cmd), flush=True)
+        return run_with_restarts(cfg, run_dir, cmd, checkpoints)
     cmd = mpirun_command(nproc, program)
     print(" ".join(cmd), flush=True)
     return subprocess.call(cmd)

@@ -30,9 +30,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .checkpoint import CheckpointReader, latest_step, save_checkpoint
+from .checkpoint import CheckpointReader, PendingSave, latest_step, save_checkpoint
 from .config import Config, TokenizedDatasetArgs, check_world_size
 from .data import MicroBatchSource, build_microbatch_source
+from .ft.faults import FaultInjector
 from .logging import MetricsWriter, ids_digest
 from .models.llama import LlamaStage
 from .optim import GradBuffer, MasterOptimizer, clip_grad_norm_, lr_at
@@ -75,10 +76,16 @@ class DataParallelMode(Protocol):
 
 
 class PlainDataParallel:
-    """One torch world; the DP all-reduce is a torch.distributed collective."""
+    """One torch world; the DP all-reduce is a torch.distributed collective.
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
+    This is also the checkpoint-restart baseline (``recover.mode: checkpoint_restart``): injected
+    faults kill their rank here like in the fault-tolerant mode, the whole job dies with it, and
+    the launcher relaunches it from the last checkpoint (``restart.py``).
+    """
+
+    def __init__(self, cfg: Config, run_dir: Path | None = None):
+        self.cfg, self.run_dir = cfg, run_dir
+        self.injector: FaultInjector | None = None
 
     def setup_world(self) -> tuple[World, ParallelContext]:
         world = init_world()
@@ -88,6 +95,11 @@ class PlainDataParallel:
 
     def attach(self, trainer: DistributedTrainer) -> None:
         self.t = trainer
+        r = self.cfg.recover
+        if r.enabled and r.mode == "checkpoint_restart" and self.run_dir is not None:
+            ctx = trainer.ctx
+            self.injector = FaultInjector(r, trainer.world.rank, ctx.dp_rank, self.run_dir)
+            trainer.engine.event_hook = lambda kind, i: self.injector.maybe_fail(kind, i)
 
     def my_ids(self, step: int) -> list[int]:
         t = self.t
@@ -97,8 +109,12 @@ class PlainDataParallel:
     def reduced_gradients(self, step: int) -> ReducedStep:
         t, ctx = self.t, self.t.ctx
         ids = self.my_ids(step)
+        if self.injector is not None:
+            self.injector.begin_step(step, list(range(ctx.dp)))
         source = t.source_for(step)
         losses = t.engine.train_batch([source.get(i) for i in ids], loss_scale=1.0 / t.B)
+        if self.injector is not None:
+            self.injector.maybe_fail("reduce", 0)
         if ctx.dp > 1:
             dist.all_reduce(t.grads.flat, group=ctx.dp_group)
         # The loss lives on the last stage (its tp ranks hold the same value: count tp rank 0).
@@ -119,7 +135,8 @@ class PlainDataParallel:
         return torch.cat(parts).tolist()
 
     def before_optimizer(self) -> None:
-        pass
+        if self.injector is not None:
+            self.injector.maybe_fail("optimizer", 0)
 
     def is_logger(self) -> bool:
         return self.t.world.rank == 0
@@ -153,12 +170,12 @@ class DistributedTrainer:
     def __init__(self, cfg: Config, run_dir: str | Path, dp_mode: DataParallelMode | None = None):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         if dp_mode is None:
-            if cfg.recover.enabled:
+            if cfg.recover.enabled and cfg.recover.mode == "forward":
                 from .recovery.transaction import ForwardRecovery
 
                 dp_mode = ForwardRecovery(cfg, self.run_dir)
             else:
-                dp_mode = PlainDataParallel(cfg)
+                dp_mode = PlainDataParallel(cfg, self.run_dir)
         self.dp_mode = dp_mode
         self.world, self.ctx = dp_mode.setup_world()
         if self.world.device.type == "cpu":
@@ -197,6 +214,7 @@ class DistributedTrainer:
         self.dp_mode.attach(self)
         self.metrics: MetricsWriter | None = None
         self._history: list[dict[str, Any]] = []
+        self._pending_save: PendingSave | None = None
 
     # -- data --------------------------------------------------------------------------------
     def source_for(self, step: int) -> MicroBatchSource:
@@ -235,10 +253,14 @@ class DistributedTrainer:
 
     def save(self, step: int) -> Path | None:
         """Collective over the ranks that write (all of them in plain mode, one replica in
-        fault-tolerant mode)."""
+        fault-tolerant mode). With asynchronous saves this returns once the state is staged in CPU
+        memory; the previous save is always finished first."""
         if not self.dp_mode.is_checkpoint_writer():
             return None
-        return save_checkpoint(
+        self.wait_for_save()
+        r, ck = self.cfg.recover, self.cfg.checkpoints
+        asynchronous = ck.async_save or (r.enabled and r.mode == "checkpoint_restart")
+        saved = save_checkpoint(
             self.checkpoints_path,
             step,
             self.cfg,
@@ -247,7 +269,17 @@ class DistributedTrainer:
             tp=self.ctx.tp,
             pp=self.ctx.pp,
             dp_rank=self.ctx.dp_rank,
+            asynchronous=asynchronous,
         )
+        if isinstance(saved, PendingSave):
+            self._pending_save = saved
+            return saved.path
+        return saved
+
+    def wait_for_save(self) -> None:
+        if self._pending_save is not None:
+            self._pending_save.wait()
+            self._pending_save = None
 
     # -- one optimizer step ------------------------------------------------------------------
     def _sync_tied_grads(self) -> None:
@@ -295,6 +327,7 @@ class DistributedTrainer:
                 final = step == last and (ck.save_final_state or stop_after_step is not None)
                 if due or final:
                     self.save(step)
+            self.wait_for_save()
             self.write_parameter_digest()
         except Exception as error:
             self.dp_mode.abort(error)
@@ -330,6 +363,7 @@ class DistributedTrainer:
             "tokens_per_s": tokens_per_step / r.step_time_s,
             "replicas": r.replicas,
             "ids_digest": ids_digest(r.ids),
+            "time": time.time(),
             **r.extra,
         }
         self._history.append(record)

@@ -173,6 +173,8 @@ class CheckpointsArgs:
     save_final_state: bool = True
     resume_checkpoint_path: Path | None = None
     checkpoints_path_is_shared_file_system: bool = True
+    # Stage to CPU memory, then write in a background thread while training goes on.
+    async_save: bool = False
     load_lr_scheduler: bool = True
     load_optimizer: bool = True
 
@@ -224,6 +226,12 @@ class RecoverArgs:
     """Forward recovery across data-parallel replicas (off by default)."""
 
     enabled: bool = False
+    # forward: repair inside the step (this project). checkpoint_restart: the classic baseline, for
+    # comparison: on a failure the whole job is relaunched on as many ranks and resumes from the last
+    # checkpoint (checkpoints.checkpoint_interval), recomputing the lost steps.
+    mode: Literal["forward", "checkpoint_restart"] = "forward"
+    # checkpoint_restart: relaunches before giving up.
+    max_restarts: int = 100
     # The DP reduction runs in buckets of this size; each bucket is snapshotted before it is reduced.
     bucket_size_mb: float = 25.0
     # How a torn bucket is restored: blocking copy, or (CUDA) on a side stream overlapped with the

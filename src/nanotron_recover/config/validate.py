@@ -97,8 +97,6 @@ def validate_config(cfg: Config, check_paths: bool = True) -> None:
     _validate_recover(cfg)
     if cfg.checkpoints.checkpoint_interval < 0:
         raise ConfigError("checkpoints.checkpoint_interval must be >= 0 (0 disables periodic checkpoints)")
-    if cfg.checkpoints.checkpoint_interval and cfg.checkpoints.checkpoints_path is None:
-        raise ConfigError("checkpoints.checkpoint_interval is set but checkpoints.checkpoints_path is null")
     if not cfg.data_stages:
         raise ConfigError("data_stages must list at least one stage")
     starts = [s.start_training_step for s in cfg.data_stages]
@@ -129,6 +127,10 @@ def check_world_size(cfg: Config, world_size: int) -> None:
             f"world size {world_size} != tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {cfg.world_size}: "
             f"launch {cfg.world_size} ranks or change parallelism"
         )
+
+
+# Points of a plain (checkpoint-restart) step where a fault can be injected.
+PLAIN_PHASES = ("forward", "backward", "reduce", "optimizer")
 
 
 def _validate_recover(cfg: Config) -> None:
@@ -162,5 +164,16 @@ def _validate_recover(cfg: Config) -> None:
             raise ConfigError(
                 f"recover.random_faults.until_replicas must be between 1 and parallelism.dp={dp}"
             )
+    if r.enabled and r.mode == "checkpoint_restart":
+        if cfg.checkpoints.checkpoint_interval < 1:
+            raise ConfigError("recover.mode: checkpoint_restart needs checkpoints.checkpoint_interval >= 1")
+        for i, f in enumerate(r.faults):
+            if f.phase not in PLAIN_PHASES:
+                raise ConfigError(
+                    f"recover.faults[{i}]: phase {f.phase!r} does not exist in checkpoint_restart mode "
+                    f"(choose {', '.join(PLAIN_PHASES)})"
+                )
+        if r.max_restarts < 0:
+            raise ConfigError("recover.max_restarts must be >= 0")
     if (r.faults or rf is not None) and not r.enabled:
         raise ConfigError("recover.faults / recover.random_faults need recover.enabled: true")

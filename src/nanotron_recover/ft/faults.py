@@ -4,7 +4,9 @@ The schedule comes from the config (``recover.faults`` and ``recover.random_faul
 every rank, so survivors can tell which fault they are recovering from. A replica fault kills every
 rank of the replica at the same point; a rank fault kills one rank, and its replica then fails as a
 whole (its other ranks leave during recovery). Before dying the victim writes the wall-clock time of
-its death to ``<run_dir>/faults/rank<r>.json`` so the survivors can measure detection latency.
+its death to ``<run_dir>/faults/step<s>_<phase><i>_rank<r>.json`` so the survivors can measure
+detection latency. A fault fires once per run: a job relaunched by checkpoint-restart skips the
+faults whose record exists, even when it recomputes their step.
 
 Random faults pick, every ``every_steps`` steps, one alive replica by a generator seeded with
 ``(seed, step)``, and kill it in the forward pass of its first micro-batch, until ``until_replicas``
@@ -62,14 +64,21 @@ class FaultInjector:
         """Die here if a fault is scheduled for this rank at (current step, ``phase``, ``index``)."""
         for fault in self.current:
             if fault.phase == phase and fault.microbatch == index and self.is_victim(fault):
+                if self._record_path(fault).exists():
+                    continue  # fired in an earlier incarnation of this job
                 self._record_death(fault)
                 fail_stop(
                     f"injected fault: rank {self.rank} (replica {self.replica}) at step {self.step} {phase} #{index}"
                 )
 
+    def _record_path(self, fault: ScheduledFault) -> Path:
+        return (
+            self.run_dir / "faults" / f"step{fault.step}_{fault.phase}{fault.microbatch}_rank{self.rank}.json"
+        )
+
     def _record_death(self, fault: ScheduledFault) -> None:
-        folder = self.run_dir / "faults"
-        folder.mkdir(parents=True, exist_ok=True)
+        path = self._record_path(fault)
+        path.parent.mkdir(parents=True, exist_ok=True)
         record = {
             "rank": self.rank,
             "replica": self.replica,
@@ -77,17 +86,20 @@ class FaultInjector:
             "phase": fault.phase,
             "time": time.time(),
         }
-        (folder / f"rank{self.rank}.json").write_text(json.dumps(record))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.replace(path)
 
 
-def read_deaths(run_dir: Path, ranks: list[int]) -> list[dict]:
-    """Death records the injected victims among ``ranks`` left behind (empty for real faults)."""
+def read_deaths(run_dir: Path, ranks: list[int] | None = None, since: float = 0.0) -> list[dict]:
+    """Death records left by injected victims (all, or those among ``ranks``) that died at or after
+    ``since`` (wall clock), oldest first; empty for real faults."""
     out = []
-    for r in ranks:
-        f = run_dir / "faults" / f"rank{r}.json"
-        if f.is_file():
-            try:
-                out.append(json.loads(f.read_text()))
-            except (OSError, ValueError):
-                pass  # a half-written record: the victim died mid-write, no timing for it
-    return out
+    for f in sorted((run_dir / "faults").glob("step*_rank*.json")):
+        try:
+            record = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if (ranks is None or record["rank"] in ranks) and record["time"] >= since:
+            out.append(record)
+    return sorted(out, key=lambda r: r["time"])
