@@ -1,0 +1,202 @@
+"""The paper's comparison at the scale of this machine: forward recovery vs checkpoint-restart.
+
+``W`` replicas train the tiny LLaMA; a replica fails every ``k`` steps until half of them are gone.
+Runs: plain (no faults, the reference curve), recover (forward recovery, same faults), and
+checkpoint-restart with several checkpoint intervals (the paper used 2, 16 and 64 steps), same
+faults by step, each failure relaunching the whole job on ``W`` replicas (replacement hardware).
+
+Per run: wall time, committed tokens, effective tokens/s per rank (committed tokens over the whole
+wall time, every stall included, divided by the initial number of ranks), per-fault stall, and the
+max loss deviation from the plain run. Writes ``faults.json``, ``faults.md`` and ``faults.png`` (loss
+per step for every run; committed tokens over wall time) to ``--out``.
+
+    python benchmarks/faults.py --quick        # < 5 minutes on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from nanotron_recover.config import load_config  # noqa: E402
+from nanotron_recover.data import ensure_local_dataset  # noqa: E402
+from nanotron_recover.demo import tiny_config_path  # noqa: E402
+from nanotron_recover.logging import read_incidents, read_metrics  # noqa: E402
+
+
+def launch(run_dir: Path, sets: list[str], timeout_s: float) -> float:
+    """``nanotron-recover launch`` (which relaunches checkpoint-restart jobs itself); wall seconds."""
+    args = [sys.executable, "-m", "nanotron_recover.cli", "launch", "--config", str(tiny_config_path())]
+    args += ["--run-dir", str(run_dir)] + [a for s in sets for a in ("--set", s)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    started = time.perf_counter()
+    subprocess.run(
+        args, check=True, timeout=timeout_s, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    return time.perf_counter() - started
+
+
+def fault_schedule(replicas: int, every: int, steps: int) -> list[dict]:
+    """Replica W-1 fails at step k, W-2 at 2k, ... until half are gone (forward pass, 1st micro-batch)."""
+    faults = []
+    for n in range(1, replicas // 2 + 1):
+        if n * every <= steps:
+            faults.append({"step": n * every, "replica": replicas - n, "phase": "forward"})
+    return faults
+
+
+def summarize(name: str, run_dir: Path, wall_s: float, ranks: int, plain: list[dict] | None) -> dict:
+    metrics = read_metrics(run_dir)
+    incidents = read_incidents(run_dir)
+    committed = sum(r["tokens"] for r in metrics)
+    typical = statistics.median(r["step_time_s"] for r in metrics)
+    if name.startswith("ckpt-restart"):
+        stalls = [i["stall_s"] for i in incidents if i.get("stall_s") is not None]
+    else:
+        # Forward recovery stalls only the step the fault hit: its extra time over a normal step.
+        fault_steps = {i["step"] for i in incidents}
+        stalls = [r["step_time_s"] - typical for r in metrics if r["step"] in fault_steps]
+    deviation = None
+    if plain is not None:
+        deviation = max(abs(r["loss"] - p["loss"]) for r, p in zip(metrics, plain, strict=True))
+        assert all(r["ids_digest"] == p["ids_digest"] for r, p in zip(metrics, plain, strict=True))
+    return {
+        "run": name,
+        "wall_s": wall_s,
+        "committed_steps": len(metrics),
+        "committed_tokens": committed,
+        "effective_tokens_per_s_per_rank": committed / wall_s / ranks,
+        "faults": len(incidents),
+        "stall_s": stalls,
+        "mean_stall_s": statistics.mean(stalls) if stalls else 0.0,
+        "max_abs_loss_deviation": deviation,
+        "loss": [r["loss"] for r in metrics],
+        "commit_times": [r["time"] for r in metrics],
+    }
+
+
+def plot(results: list[dict], out: Path) -> None:
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in results:
+        a.plot(range(1, len(r["loss"]) + 1), r["loss"], label=r["run"], linewidth=1.2)
+        start = r["start_time"]  # commit times are wall clock
+        tokens = [r["committed_tokens"] / r["committed_steps"] * (i + 1) for i in range(r["committed_steps"])]
+        b.plot([t - start for t in r["commit_times"]], tokens, label=r["run"], linewidth=1.2)
+    a.set_xlabel("step")
+    a.set_ylabel("loss")
+    a.set_title("Loss per step")
+    a.legend()
+    b.set_xlabel("wall time (s)")
+    b.set_ylabel("committed tokens")
+    b.set_title("Committed tokens over wall time")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small run, < 5 minutes on 2 cores")
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--every", type=int, help="a fault every k steps")
+    parser.add_argument("--intervals", type=int, nargs="+", default=[2, 16, 64])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    steps = args.steps or (30 if args.quick else 200)
+    every = args.every or max(steps // (args.replicas // 2 + 1), 1)
+    w = args.replicas
+    faults = fault_schedule(w, every, steps)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        data = ensure_local_dataset(tmp / "data")
+        common = [
+            f"data_stages.0.data.dataset={{dataset_folder: {data.corpus_dir}}}",
+            f"parallelism.dp={w}",
+            "tokens.batch_accumulation_per_replica=2",
+            f"tokens.train_steps={steps}",
+            "checkpoints.save_final_state=false",
+        ]
+        cfg = load_config(
+            tiny_config_path(), [s for s in common if not s.startswith("data_stages")], check_paths=False
+        )
+        ranks = cfg.world_size
+        runs = [("plain", []), ("recover", ["recover.enabled=true", f"recover.faults={json.dumps(faults)}"])]
+        for k in args.intervals:
+            runs.append(
+                (
+                    f"ckpt-restart-{k}",
+                    [
+                        "recover.enabled=true",
+                        "recover.mode=checkpoint_restart",
+                        f"checkpoints.checkpoint_interval={k}",
+                        f"recover.faults={json.dumps(faults)}",
+                    ],
+                )
+            )
+        plain = None
+        for name, extra in runs:
+            run_dir = tmp / name
+            start = time.time()
+            wall = launch(
+                run_dir, common + [f"checkpoints.checkpoints_path={run_dir / 'ckpt'}"] + extra, 3600
+            )
+            summary = summarize(name, run_dir, wall, ranks, plain)
+            summary["start_time"] = start
+            results.append(summary)
+            if name == "plain":
+                plain = read_metrics(run_dir)
+            print(
+                f"{name}: {wall:.1f}s, {summary['effective_tokens_per_s_per_rank']:.0f} tokens/s/rank",
+                flush=True,
+            )
+    plot(results, out / "faults.png")
+    recover = next(r for r in results if r["run"] == "recover")
+    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    for r in results:
+        r["throughput_vs_recover"] = (
+            r["effective_tokens_per_s_per_rank"] / recover["effective_tokens_per_s_per_rank"]
+        )
+    (out / "faults.json").write_text(
+        json.dumps(
+            {"machine": machine, "replicas": w, "steps": steps, "faults": faults, "runs": results}, indent=2
+        )
+    )
+    lines = [
+        f"Machine: {machine['platform']}, {machine['cpus']} CPUs. Tiny LLaMA, {w} replicas (tp=pp=1, {ranks} ranks), "
+        f"{steps} steps, a replica fails every {every} steps until half are gone ({len(faults)} faults).",
+        "",
+        "| run | wall (s) | committed tokens | effective tokens/s/rank | vs recover | faults | mean stall (s) | "
+        "max abs loss dev. vs plain |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        dev = "-" if r["max_abs_loss_deviation"] is None else f"{r['max_abs_loss_deviation']:.2e}"
+        lines.append(
+            f"| {r['run']} | {r['wall_s']:.1f} | {r['committed_tokens']} | {r['effective_tokens_per_s_per_rank']:.0f} | "
+            f"{r['throughput_vs_recover']:.2f} | {r['faults']} | {r['mean_stall_s']:.2f} | {dev} |"
+        )
+    (out / "faults.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
