@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mpirun_utils import check, run_cli
+
 from nanotron_recover.logging import read_incidents, read_metrics
 
 

@@ -35,6 +35,8 @@ from .config import Config, TokenizedDatasetArgs, check_world_size
 from .data import MicroBatchSource, build_microbatch_source
 from .ft.faults import FaultInjector
 from .logging import MetricsWriter, ids_digest
+from .logging.progress import Progress
+from .logging.wandb_logger import RunLogger, run_name_for_config
 from .models.llama import LlamaStage
 from .optim import GradBuffer, MasterOptimizer, clip_grad_norm_, lr_at
 from .parallel.context import ParallelContext
@@ -214,6 +216,9 @@ class DistributedTrainer:
         self.dp_mode.attach(self)
         self.metrics: MetricsWriter | None = None
         self._history: list[dict[str, Any]] = []
+        # Real on the logging rank only (see _start_reporting); no-ops elsewhere.
+        self.run_logger = RunLogger()
+        self.progress = Progress(0, enabled=False)
         self._pending_save: PendingSave | None = None
 
     # -- data --------------------------------------------------------------------------------
@@ -314,7 +319,7 @@ class DistributedTrainer:
         results = []
         if self.dp_mode.is_logger():
             # A resumed run redoes the steps after its checkpoint: drop their old records.
-            self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", truncate_after_step=self.start_step)
+            self._start_reporting(truncate_after_step=self.start_step)
         if ck.save_initial_state and self.start_step == 0:
             self.save(0)
         last = t.train_steps if stop_after_step is None else min(stop_after_step, t.train_steps)
@@ -330,6 +335,7 @@ class DistributedTrainer:
             self.wait_for_save()
             self.write_parameter_digest()
         except Exception as error:
+            self.run_logger.finish(exit_code=1)
             self.dp_mode.abort(error)
             raise
         return results
@@ -346,6 +352,13 @@ class DistributedTrainer:
         path = folder / f"replica{self.dp_mode.replica_id()}_pp{self.ctx.pp_rank}_tp{self.ctx.tp_rank}.sha256"
         path.write_text(digest.hexdigest() + "\n")
         return path
+
+    def _start_reporting(self, truncate_after_step: int | None = None) -> None:
+        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", truncate_after_step=truncate_after_step)
+        self.run_logger = RunLogger.start(
+            self.cfg.logging.wandb, self.run_dir, run_name_for_config(self.cfg), self.cfg
+        )
+        self.progress = Progress(self.cfg.tokens.train_steps)
 
     def _log(self, r: StepResult) -> None:
         """Every rank keeps the records of recent steps; the logging rank writes them. A rank that
@@ -371,10 +384,12 @@ class DistributedTrainer:
         if not self.dp_mode.is_logger():
             return
         if self.metrics is None:
-            self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
+            self._start_reporting()  # taking over from the failed logging replica
         for rec in self._history:
             self.metrics.write(rec)  # skips steps already in the file
-        if r.step % max(self.cfg.logging.iteration_step_info_interval, 1) == 0:
+            self.run_logger.log_step(rec)  # likewise
+        self.progress.update(record)
+        if not self.progress.enabled and r.step % max(self.cfg.logging.iteration_step_info_interval, 1) == 0:
             print(
                 f"[nanotron-recover] step {r.step}/{self.cfg.tokens.train_steps} loss {r.loss:.4f} "
                 f"lr {r.lr:.2e} grad_norm {r.grad_norm:.3f} tokens/s {record['tokens_per_s']:.0f} "
@@ -383,6 +398,8 @@ class DistributedTrainer:
             )
 
     def close(self) -> None:
+        self.progress.close()
+        self.run_logger.finish()
         if self.metrics is not None:
             self.metrics.close()
         self.grads.remove_hooks()

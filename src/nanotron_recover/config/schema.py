@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from ..logging.wandb_logger import WandbArgs
+
 DType = Literal["float32", "bfloat16", "float16"]
 
 
@@ -184,6 +186,8 @@ class LoggingArgs:
     log_level: str = "info"
     log_level_replica: str = "info"
     iteration_step_info_interval: int = 1
+    # Weights & Biases: {project, entity, group, mode}; mode defaults to offline without an API key.
+    wandb: WandbArgs | None = None
 
 
 @dataclass

@@ -307,10 +307,11 @@ class ForwardRecovery:
                 "alive_replicas": list(r.alive_replicas),
             }
             self.incident_log.write(record)
-            print(
+            self.t.run_logger.log_incident(record)
+            self.t.progress.write(
                 f"[nanotron-recover] step {inc.step}: replicas {record['failed_replicas']} failed ({inc.phase}), "
                 f"{inc.action}, {inc.extra_microbatches} micro-batches redone, epoch {r.new_epoch}",
-                flush=True,
+                file=sys.stdout,
             )
 
     def _stop(self, step: int, why: str, save: bool = True) -> None:
