@@ -111,7 +111,16 @@ def test_dry_run_memory_total_is_the_sum_of_its_parts(capsys: pytest.CaptureFixt
     assert status == 0
     assert "parameters      6,738,415,616 (6.74B)" in out
     gib = {m[1]: float(m[2]) for m in re.finditer(r"^  (\S.*?) +(\d+\.\d\d) GiB$", out, re.MULTILINE)}
-    assert list(gib) == ["parameters", "fp32 master", "fp32 grads", "optimizer", "activations", "total"]
+    assert list(gib) == [
+        "parameters",
+        "fp32 master",
+        "fp32 grads",
+        "optimizer",
+        "activations",
+        "snapshots",
+        "total",
+    ]
+    assert gib["snapshots"] == 0.0, "the tiny config's recover mode is off"
     # bf16 weights (2 B), fp32 master (4 B), fp32 grads (4 B), two fp32 moments (8 B) per parameter.
     params_gib = 6_738_415_616 / 2**30
     assert gib["parameters"] == pytest.approx(2 * params_gib, abs=0.01)

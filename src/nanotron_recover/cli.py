@@ -40,8 +40,13 @@ def default_run_dir(cfg_path: str) -> Path:
 
 # -- train ------------------------------------------------------------------------------------
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    # A dry run plans a job before its data exists (e.g. before preprocessing C4): it notes it instead.
+    cfg = load_config(args.config, args.overrides, check_paths=not args.dry_run)
     if args.dry_run:
+        for stage in cfg.data_stages:
+            folder = getattr(stage.data.dataset, "dataset_folder", None)
+            if folder is not None and not folder.is_dir():
+                print(f"note: dataset folder {str(folder)!r} does not exist yet (preprocess before training)")
         from .estimate import format_plan, plan_summary
 
         print(format_plan(plan_summary(cfg)))
@@ -181,6 +186,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", required=True, metavar="FILE.npy")
     p.add_argument("--logits-out", metavar="FILE.npy")
     p.set_defaults(func=cmd_eval)
+
+    from .compare import add_compare_arguments, run_compare
+
+    p = sub.add_parser(
+        "compare", help="compare runs: loss differences, ids digests, incidents; --out plots a PNG"
+    )
+    add_compare_arguments(p)
+    p.set_defaults(func=run_compare)
+
+    from .slurm import add_slurm_arguments, run_slurm
+
+    p = sub.add_parser("slurm", help="render (and --submit) an sbatch script for a config")
+    add_slurm_arguments(p)
+    p.set_defaults(func=run_slurm)
 
     p = sub.add_parser("demo", help="the main job on the embedded default: tiny LLaMA, offline corpus, CPU")
     p.add_argument("--out", default="demo_out", help="where the corpus, metrics and plots go")

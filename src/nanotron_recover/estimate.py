@@ -4,6 +4,7 @@ Memory per GPU is estimated for the heaviest pipeline stage:
 - parameters in the model dtype; an fp32 master copy when that dtype is not fp32;
 - the fp32 gradient buffer (plus the transient model-dtype gradient of one parameter, ignored);
 - AdamW state: two fp32 moments;
+- in the fault-tolerant mode, the bucket snapshots: one more fp32 copy of the gradients at most;
 - activations kept for backward: per layer and micro-batch about ``s*b*h*(10 + 24/tp)`` bytes in
   16-bit (Korthikanti et al., attention scores not materialised thanks to fused SDPA), doubled for
   fp32, times the micro-batches in flight (``min(pp - stage, G)`` for 1F1B, ``G`` for AFAB), plus
@@ -32,6 +33,7 @@ class StageEstimate:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: int
+    snapshot_bytes: int = 0  # recover mode: bucket snapshots, up to one more fp32 gradient copy
 
     @property
     def total_bytes(self) -> int:
@@ -41,6 +43,7 @@ class StageEstimate:
             + self.grad_bytes
             + self.optimizer_bytes
             + self.activation_bytes
+            + self.snapshot_bytes
         )
 
 
@@ -74,6 +77,7 @@ def estimate_stage(cfg: Config, pp_rank: int) -> StageEstimate:
         grad_bytes=params * 4,
         optimizer_bytes=params * 8,
         activation_bytes=int(acts),
+        snapshot_bytes=params * 4 if cfg.recover.enabled and cfg.recover.mode == "forward" else 0,
     )
 
 
@@ -114,6 +118,7 @@ def format_plan(summary: dict) -> str:
         f"  fp32 grads    {w.grad_bytes / GIB:8.2f} GiB",
         f"  optimizer     {w.optimizer_bytes / GIB:8.2f} GiB",
         f"  activations   {w.activation_bytes / GIB:8.2f} GiB",
+        f"  snapshots     {w.snapshot_bytes / GIB:8.2f} GiB",
         f"  total         {w.total_bytes / GIB:8.2f} GiB",
     ]
     return "\n".join(lines)

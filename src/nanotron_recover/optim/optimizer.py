@@ -36,14 +36,16 @@ class MasterOptimizer:
             # fp32 parameters are their own master: the model is updated in place.
             self.master[name] = p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_()
         f = args.optimizer_factory
+        fused = f.torch_adam_is_fused and all(m.is_cuda for m in self.master.values())
         self.torch_opt = torch.optim.AdamW(
             list(self.master.values()),
             lr=args.learning_rate_scheduler.learning_rate,
             betas=(f.adam_beta1, f.adam_beta2),
             eps=f.adam_eps,
             weight_decay=args.weight_decay,
-            foreach=False,
-            fused=False,
+            # Fused kernels exist for CUDA tensors only; elsewhere the plain per-parameter loop.
+            foreach=False if not fused else None,
+            fused=fused,
         )
 
     @torch.no_grad()

