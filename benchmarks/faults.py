@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from common import describe, machine_info  # noqa: E402
 
 from nanotron_recover.config import load_config  # noqa: E402
 from nanotron_recover.data import ensure_local_dataset  # noqa: E402
@@ -169,7 +169,7 @@ def main() -> int:
             )
     plot(results, out / "faults.png")
     recover = next(r for r in results if r["run"] == "recover")
-    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    machine = machine_info()
     for r in results:
         r["throughput_vs_recover"] = (
             r["effective_tokens_per_s_per_rank"] / recover["effective_tokens_per_s_per_rank"]
@@ -180,7 +180,7 @@ def main() -> int:
         )
     )
     lines = [
-        f"Machine: {machine['platform']}, {machine['cpus']} CPUs. Tiny LLaMA, {w} replicas (tp=pp=1, {ranks} ranks), "
+        f"{describe(machine)}. Tiny LLaMA, {w} replicas (tp=pp=1, {ranks} ranks), "
         f"{steps} steps, a replica fails every {every} steps until half are gone ({len(faults)} faults).",
         "",
         "| run | wall (s) | committed tokens | effective tokens/s/rank | vs recover | faults | mean stall (s) | "

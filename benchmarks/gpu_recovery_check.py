@@ -21,17 +21,14 @@ from pathlib import Path
 
 import torch
 
-from nanotron_recover.cli import mpirun_command
+from nanotron_recover.cli import train_command
 from nanotron_recover.data import ensure_local_dataset
 from nanotron_recover.demo import tiny_config_path
 from nanotron_recover.logging import read_incidents, read_metrics
 
 
 def train(run_dir: Path, sets: list[str], nproc: int, env: dict[str, str]) -> None:
-    program = [sys.executable, "-m", "nanotron_recover.cli", "train", "--config", str(tiny_config_path())]
-    program += ["--run-dir", str(run_dir)] + [a for s in sets for a in ("--set", s)]
-    cmd = program if nproc == 1 else mpirun_command(nproc, program)
-    subprocess.run(cmd, check=True, timeout=900, env=env)
+    subprocess.run(train_command(tiny_config_path(), run_dir, sets, nproc), check=True, timeout=900, env=env)
 
 
 def main() -> int:

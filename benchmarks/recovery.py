@@ -16,31 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from nanotron_recover.cli import mpirun_command
+from common import describe, machine_info, run_training
+
 from nanotron_recover.data import ensure_local_dataset
-from nanotron_recover.demo import tiny_config_path
 from nanotron_recover.logging import read_incidents, read_metrics
 
 WARMUP_STEPS = 3
 PHASES = ["forward", "backward", "gate", "reduce", "optimizer", "recovery"]
-
-
-def train(run_dir: Path, sets: list[str], nproc: int) -> None:
-    program = [sys.executable, "-m", "nanotron_recover.cli", "train", "--config", str(tiny_config_path())]
-    program += ["--run-dir", str(run_dir)]
-    program += [arg for s in sets for arg in ("--set", s)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run(
-        mpirun_command(nproc, program), check=True, timeout=1800, env=env, stdout=subprocess.DEVNULL
-    )
 
 
 def median_step_time(run_dir: Path) -> float:
@@ -71,7 +58,7 @@ def main() -> int:
             times = []
             for rep in range(args.repeats):
                 run_dir = tmp / f"steady-{mode}-{rep}"
-                train(run_dir, base + [f"tokens.train_steps={args.steps}"] + extra, w)
+                run_training(run_dir, base + [f"tokens.train_steps={args.steps}"] + extra, w)
                 times.append(median_step_time(run_dir))
             steady[mode] = statistics.median(times)
         ratio = steady["recover"] / steady["plain"]
@@ -92,7 +79,7 @@ def main() -> int:
                     "recover.enabled=true",
                     f"recover.faults={json.dumps(faults)}",
                 ]
-                train(run_dir, sets, w)
+                run_training(run_dir, sets, w)
                 for inc in read_incidents(run_dir):
                     incidents.append({**inc, "injected_phase": phase})
     detect = [i["detect_s"] for i in incidents if i["detect_s"] is not None]
@@ -109,7 +96,7 @@ def main() -> int:
         }
         for phase in PHASES
     }
-    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    machine = machine_info()
     summary = {
         "machine": machine,
         "replicas": w,
@@ -124,7 +111,7 @@ def main() -> int:
     }
     (out / "recovery.json").write_text(json.dumps(summary, indent=2))
     lines = [
-        f"Machine: {machine['platform']}, {machine['cpus']} CPUs. Tiny LLaMA, {w} replicas (tp=pp=1), B={2 * w}.",
+        f"{describe(machine)}. Tiny LLaMA, {w} replicas (tp=pp=1), B={2 * w}.",
         "",
         "| steady state | plain | recover | ratio recover/plain (target <= 1.05) |",
         "|---|---|---|---|",

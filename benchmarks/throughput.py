@@ -11,40 +11,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from common import describe, machine_info, run_training
 
-from nanotron_recover.cli import mpirun_command
 from nanotron_recover.data import ensure_local_dataset
-from nanotron_recover.demo import tiny_config_path
 from nanotron_recover.logging import read_metrics
 
 WARMUP_STEPS = 3
 
 
-def measure(
-    name: str, config: Path, overrides: list[str], nproc: int, workdir: Path, timeout_s: float
-) -> dict:
+def measure(name: str, overrides: list[str], nproc: int, workdir: Path, timeout_s: float) -> dict:
     run_dir = workdir / name
-    program = [
-        sys.executable,
-        "-m",
-        "nanotron_recover.cli",
-        "train",
-        "--config",
-        str(config),
-        "--run-dir",
-        str(run_dir),
-    ]
-    program += [arg for o in overrides for arg in ("--set", o)]
-    cmd = program if nproc == 1 else mpirun_command(nproc, program)
-    subprocess.run(cmd, check=True, timeout=timeout_s, stdout=subprocess.DEVNULL)
+    run_training(run_dir, overrides, nproc, timeout_s)
     rows = read_metrics(run_dir)[WARMUP_STEPS:]
     tps = [r["tokens_per_s"] for r in rows]
     return {
@@ -72,11 +55,10 @@ def main() -> int:
         corpus = f"data_stages.0.data.dataset={{dataset_folder: {data.corpus_dir}}}"
         steps = f"tokens.train_steps={args.steps}"
         common = [corpus, steps, "checkpoints.save_final_state=false"]
-        results.append(measure("tiny-cpu dp=2", tiny_config_path(), common, 2, tmp, 1800))
+        results.append(measure("tiny-cpu dp=2", common, 2, tmp, 1800))
         results.append(
             measure(
                 "tiny-cpu tp=2 pp=2 dp=1",
-                tiny_config_path(),
                 common
                 + [
                     "parallelism.dp=1",
@@ -106,17 +88,11 @@ def main() -> int:
                 "tokens.micro_batch_size=4",
                 "tokens.batch_accumulation_per_replica=4",
             ]
-            results.append(measure("llama-0.9B bf16 1 GPU", tiny_config_path(), gpu, 1, tmp, 3000))
-    machine = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": __import__("os").cpu_count(),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "torch": torch.__version__,
-    }
+            results.append(measure("llama-0.9B bf16 1 GPU", gpu, 1, tmp, 3000))
+    machine = machine_info()
     (out / "throughput.json").write_text(json.dumps({"machine": machine, "results": results}, indent=2))
     lines = [
-        f"Machine: {machine['processor']}, {machine['cpus']} CPUs, GPU: {machine['gpu']}, torch {machine['torch']}",
+        describe(machine),
         "",
         "| run | ranks | tokens/step | median step time (s) | median tokens/s |",
         "|---|---|---|---|---|",

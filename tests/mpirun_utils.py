@@ -80,3 +80,14 @@ def check(result: Completed) -> Completed:
         f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
     )
     return result
+
+
+def layout(tp: int, pp: int, dp: int, g: int, engine: str = "1f1b") -> list[str]:
+    """``--set`` overrides for a (tp, pp, dp) layout with ``g`` accumulation steps per replica."""
+    return [
+        f"parallelism.tp={tp}",
+        f"parallelism.pp={pp}",
+        f"parallelism.dp={dp}",
+        f"tokens.batch_accumulation_per_replica={g}",
+        f"parallelism.pp_engine={engine}",
+    ]

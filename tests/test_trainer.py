@@ -11,22 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mpirun_utils import REPO, check, run_cli
+from mpirun_utils import REPO, check, layout, run_cli
 
 from nanotron_recover.logging import read_metrics
 
 CONFIG = str(REPO / "configs" / "tiny_cpu.yaml")
 STEPS = 10
-
-
-def layout(tp: int, pp: int, dp: int, g: int, engine: str = "1f1b") -> list[str]:
-    return [
-        f"parallelism.tp={tp}",
-        f"parallelism.pp={pp}",
-        f"parallelism.dp={dp}",
-        f"tokens.batch_accumulation_per_replica={g}",
-        f"parallelism.pp_engine={engine}",
-    ]
 
 
 def train(run_dir: Path, corpus: Path, overrides: list[str], extra_args: list[str] = ()) -> list[dict]:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from mpirun_utils import REPO, check, run_cli
+from mpirun_utils import REPO, check, layout, run_cli
 
 from nanotron_recover.logging import read_incidents, read_metrics
 
@@ -35,16 +35,6 @@ def run(run_dir: Path, corpus: Path, sets: list[str], nproc: int, expect_ok: boo
     if expect_ok:
         check(result)
     return result
-
-
-def layout(tp: int, pp: int, dp: int, g: int, engine: str = "1f1b") -> list[str]:
-    return [
-        f"parallelism.tp={tp}",
-        f"parallelism.pp={pp}",
-        f"parallelism.dp={dp}",
-        f"tokens.batch_accumulation_per_replica={g}",
-        f"parallelism.pp_engine={engine}",
-    ]
 
 
 def recover(faults: list[dict], **extra) -> list[str]:

@@ -88,37 +88,53 @@ def mpirun_command(nproc: int, program: list[str], oversubscribe: bool = True, f
     return cmd + ["-n", str(nproc)] + program
 
 
+def train_command(
+    config: str | Path,
+    run_dir: str | Path,
+    overrides: list[str],
+    nproc: int,
+    *,
+    extra_args: list[str] | None = None,
+    ft: bool = True,
+    always_mpirun: bool = False,
+) -> list[str]:
+    """The command line that runs ``train`` for ``config`` on ``nproc`` ranks: under mpirun, or as
+    one plain process when a single rank needs no MPI."""
+    program = [sys.executable, "-m", "nanotron_recover.cli", "train", "--config", str(config)]
+    program += ["--run-dir", str(run_dir), *(extra_args or [])]
+    program += [arg for o in overrides for arg in ("--set", o)]
+    if nproc == 1 and not always_mpirun:
+        return program
+    return mpirun_command(nproc, program, ft=ft)
+
+
+def _launch_env() -> dict[str, str]:
+    """Ranks see pipes, not the terminal: tell the logging rank to draw its progress line anyway."""
+    env = dict(os.environ)
+    if sys.stderr.isatty():
+        env.setdefault("NANOTRON_RECOVER_PROGRESS", "1")
+    return env
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     nproc = args.nproc if args.nproc is not None else cfg.world_size
     if nproc != cfg.world_size:
         raise UserError(f"--nproc {nproc} != tp*pp*dp = {cfg.world_size} from the config")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
-    program = [
-        sys.executable,
-        "-m",
-        "nanotron_recover.cli",
-        "train",
-        "--config",
-        args.config,
-        "--run-dir",
-        str(run_dir),
-    ]
-    for o in args.overrides:
-        program += ["--set", o]
-    if args.stop_after_step is not None:
-        program += ["--stop-after-step", str(args.stop_after_step)]
-    if cfg.recover.enabled and cfg.recover.mode == "checkpoint_restart":
+    extra = [] if args.stop_after_step is None else ["--stop-after-step", str(args.stop_after_step)]
+    restarts = cfg.recover.enabled and cfg.recover.mode == "checkpoint_restart"
+    cmd = train_command(
+        args.config, run_dir, args.overrides, nproc, extra_args=extra, ft=not restarts, always_mpirun=True
+    )
+    print(" ".join(cmd), flush=True)
+    if restarts:
         from .restart import run_with_restarts
 
         ck = cfg.checkpoints
         checkpoints = Path(ck.checkpoints_path) if ck.checkpoints_path else run_dir / "checkpoints"
-        cmd = mpirun_command(nproc, program, ft=False)
-        print(" ".join(cmd), flush=True)
         return run_with_restarts(cfg, run_dir, cmd, checkpoints)
-    cmd = mpirun_command(nproc, program)
-    print(" ".join(cmd), flush=True)
-    return subprocess.call(cmd)
+    return subprocess.call(cmd, env=_launch_env())
 
 
 # -- convert / eval / preprocess -----------------------------------------------------------------

@@ -18,7 +18,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from .cli import mpirun_command
+from .cli import train_command
 from .config import load_config
 from .data import ensure_local_dataset
 from .logging import read_incidents
@@ -41,20 +41,9 @@ def demo_faults(steps: int) -> list[dict]:
 
 
 def _train(config: Path, run_dir: Path, overrides: list[str], nproc: int, timeout_s: float) -> int:
-    program = [
-        sys.executable,
-        "-m",
-        "nanotron_recover.cli",
-        "train",
-        "--config",
-        str(config),
-        "--run-dir",
-        str(run_dir),
-    ]
-    program += [arg for o in overrides for arg in ("--set", o)]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(mpirun_command(nproc, program), timeout=timeout_s, env=env)
+    return subprocess.call(train_command(config, run_dir, overrides, nproc), timeout=timeout_s, env=env)
 
 
 def run_demo(out: Path, steps: int | None = None, timeout_s: float = 1800) -> int:

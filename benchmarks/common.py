@@ -1,0 +1,39 @@
+"""What the benchmarks share: running a training job and describing the machine they ran on."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from nanotron_recover.cli import train_command
+from nanotron_recover.demo import tiny_config_path
+
+
+def run_training(
+    run_dir: Path, overrides: list[str], nproc: int, timeout_s: float = 1800, quiet: bool = True
+) -> None:
+    """Train the tiny CPU config with ``overrides`` on ``nproc`` ranks (one thread per rank)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.DEVNULL if quiet else None
+    cmd = train_command(tiny_config_path(), run_dir, overrides, nproc)
+    subprocess.run(cmd, check=True, timeout=timeout_s, env=env, stdout=out)
+
+
+def machine_info() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def describe(machine: dict) -> str:
+    gpu = f", GPU {machine['gpu']}" if machine["gpu"] else ", no GPU"
+    return f"Machine: {machine['platform']}, {machine['cpus']} CPUs{gpu}, torch {machine['torch']}"
