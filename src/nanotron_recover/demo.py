@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from importlib import resources
@@ -69,8 +70,7 @@ def run_demo(out: Path, steps: int | None = None, timeout_s: float = 1800) -> in
     }
     for name, overrides in runs.items():
         run_dir = out / name
-        for stale in ("metrics.jsonl", "incidents.jsonl"):
-            (run_dir / stale).unlink(missing_ok=True)
+        shutil.rmtree(run_dir, ignore_errors=True)  # a previous demo's metrics, checkpoints, faults
         print(
             f"\n[demo] {name}: {cfg.world_size} ranks, B={cfg.microbatches_per_step}, {steps} steps",
             flush=True,

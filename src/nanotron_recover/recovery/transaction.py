@@ -86,6 +86,7 @@ class ForwardRecovery:
     def __init__(self, cfg: Config, run_dir: Path):
         self.cfg, self.run_dir, self.args = cfg, Path(run_dir), cfg.recover
         self.watchdog = Watchdog()
+        self.started = time.time()  # death records older than this belong to an earlier run
         self.in_recovery = False
         self.restore_event: torch.cuda.Event | None = None
 
@@ -191,9 +192,8 @@ class ForwardRecovery:
 
         alive = self.ftc.alive_replicas
         self.injector.begin_step(step, alive)
-        state = StepState(
-            plan=steady_plan(step - 1, self.B, alive, self.args.spares)
-        )  # policy steps are 0-based
+        # The policy counts steps from 0: its step t holds ids t*B .. t*B+B-1.
+        state = StepState(plan=steady_plan(step - 1, self.B, alive, self.args.spares))
         self.reduction.reset()
         me = self.ftc.replica
         mine = state.plan.assignments[me]
@@ -245,7 +245,7 @@ class ForwardRecovery:
         rep = repair(state.plan, result.failed_replicas)
         state.plan = rep.plan
         state.g_ext += rep.g_ext
-        deaths = read_deaths(self.run_dir, list(result.failed_ranks))
+        deaths = read_deaths(self.run_dir, list(result.failed_ranks), since=self.started)
         incident = Incident(
             step=step,
             phase=deaths[0]["phase"] if deaths else result.trigger,
