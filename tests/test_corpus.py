@@ -1,12 +1,15 @@
-"""The on-disk corpus: round trips, dtype choice, sample windows and every clear-error case."""
+"""The on-disk corpus: round trips, dtype choice, sample windows, commits and resume, and every clear-error case."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 
 import numpy as np
 import pytest
 
+import nanotron_recover.data as data_pkg
 from nanotron_recover.data.corpus import (
     INDEX_FILE,
     TOKENS_FILE,
@@ -14,7 +17,10 @@ from nanotron_recover.data.corpus import (
     CorpusWriter,
     TokenCorpus,
     dtype_for_vocab,
+    validate_corpus,
 )
+from nanotron_recover.data.local_corpus import build_local_tokenizer
+from nanotron_recover.errors import InputError
 
 EOS = 3
 
@@ -170,15 +176,101 @@ def test_corrupt_index_json_is_rejected(tmp_path):
         TokenCorpus.open(tmp_path / "c")
 
 
-def test_interrupted_writer_leaves_an_incomplete_corpus(tmp_path):
+def test_interrupted_writer_leaves_its_last_commit(tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
-        with CorpusWriter(tmp_path / "c", 100, "t", EOS) as writer:
+        with CorpusWriter(tmp_path / "c", 100, "t", EOS, resume={"rows": 0}) as writer:
             writer.add_document([1, 2, 3])
+            writer.commit({"rows": 1})
+            writer.add_document([4, 5])  # not committed: its resume position was never recorded
             raise RuntimeError("boom")
     index = CorpusIndex.read(tmp_path / "c")
-    assert index.complete is False and index.num_tokens == 4
+    assert index.complete is False and index.num_tokens == 4 and index.num_documents == 1
+    assert index.resume == {"rows": 1}
+    # The uncommitted document was flushed to disk but is not counted.
+    assert (tmp_path / "c" / TOKENS_FILE).stat().st_size == 7 * 2
     with pytest.raises(ValueError, match="preprocessing did not finish"):
         TokenCorpus.open(tmp_path / "c")
+
+
+def test_commit_is_durable_and_never_ahead_of_the_tokens(tmp_path):
+    writer = CorpusWriter(tmp_path / "c", 100, "t", EOS, resume={"rows": 0}, tokenizer_fingerprint="sha256:x")
+    first = CorpusIndex.read(tmp_path / "c")
+    assert first.num_tokens == 0 and first.resume == {"rows": 0} and first.tokenizer_fingerprint == "sha256:x"
+    writer.add_documents(np.array([10, 11, 12, 20]), [3, 1])
+    index = writer.commit({"rows": 2})
+    assert index == CorpusIndex.read(tmp_path / "c") and not index.complete
+    assert index.num_tokens == 6 and index.num_documents == 2
+    assert np.fromfile(tmp_path / "c" / TOKENS_FILE, dtype="<u2").tolist() == [10, 11, 12, EOS, 20, EOS]
+    final = writer.close()
+    assert final.complete and final.resume == {"rows": 2} and final.tokenizer_fingerprint == "sha256:x"
+
+
+def test_reopen_drops_the_uncommitted_tail_and_continues(tmp_path, monkeypatch):
+    import nanotron_recover.data.corpus as corpus_mod
+
+    monkeypatch.setattr(corpus_mod, "_FLUSH_TOKENS", 3)  # uncommitted documents do reach the disk
+    with pytest.raises(KeyboardInterrupt):
+        with CorpusWriter(tmp_path / "c", 100, "t", EOS, source={"s": 1}, resume={"rows": 0}) as writer:
+            writer.add_document(DOCS[0])
+            writer.add_document(DOCS[1])
+            writer.commit({"rows": 2})
+            writer.add_document(DOCS[2])
+            raise KeyboardInterrupt
+    assert (tmp_path / "c" / TOKENS_FILE).stat().st_size > len(flat(DOCS[:2])) * 2
+
+    writer = CorpusWriter.reopen(tmp_path / "c")
+    assert (writer.num_tokens, writer.num_documents) == (len(flat(DOCS[:2])), 2)
+    assert writer.resume == {"rows": 2} and writer.source == {"s": 1}
+    assert not CorpusIndex.read(tmp_path / "c").complete
+    for doc in DOCS[2:]:
+        writer.add_document(doc)
+    index = writer.close()
+    assert TokenCorpus.open(tmp_path / "c").tokens.tolist() == flat(DOCS)
+    assert index.num_documents == len(DOCS) and index.source == {"s": 1}
+
+
+def test_reopen_from_an_earlier_index_truncates_to_it(tmp_path):
+    write_corpus(tmp_path / "c", DOCS)
+    index = CorpusIndex.read(tmp_path / "c")
+    index.num_tokens, index.num_documents = len(flat(DOCS[:1])), 1  # e.g. drop a cut-short tail
+    writer = CorpusWriter.reopen(tmp_path / "c", index)
+    # The shorter index is on disk, incomplete, before the file is cut: a crash here is resumable.
+    assert CorpusIndex.read(tmp_path / "c").num_tokens == len(flat(DOCS[:1]))
+    writer.add_document([7])
+    writer.close()
+    assert TokenCorpus.open(tmp_path / "c").tokens.tolist() == flat([DOCS[0], [7]])
+
+
+def test_reopen_refuses_a_tokens_file_shorter_than_the_index(tmp_path):
+    write_corpus(tmp_path / "c", DOCS)
+    path = tmp_path / "c" / TOKENS_FILE
+    path.write_bytes(path.read_bytes()[:-2])
+    with pytest.raises(ValueError, match="fewer than the .* its index committed"):
+        CorpusWriter.reopen(tmp_path / "c")
+
+
+def test_add_documents_equals_add_document(tmp_path):
+    docs = [[5, 6, 7], [], [8], list(range(20, 40))]
+    with CorpusWriter(tmp_path / "bulk", 100, "t", EOS) as writer:
+        writer.add_documents(np.array([t for d in docs for t in d], dtype=np.uint32), [len(d) for d in docs])
+    assert TokenCorpus.open(tmp_path / "bulk").tokens.tolist() == flat(docs)
+    assert writer.close().num_documents == len(docs)
+    with CorpusWriter(tmp_path / "bad", 100, "t", EOS) as writer:
+        with pytest.raises(ValueError, match="lengths add up to 3 ids but 2"):
+            writer.add_documents(np.array([1, 2]), [1, 2])
+        with pytest.raises(ValueError, match="non-negative"):
+            writer.add_documents(np.array([1, 2]), [3, -1])
+        with pytest.raises(ValueError, match="token id 100"):
+            writer.add_documents(np.array([1, 100]), [2])
+        assert writer.num_tokens == 0
+
+
+def test_added_document_is_copied(tmp_path):
+    ids = np.array([1, 2, 3], dtype=np.uint16)
+    with CorpusWriter(tmp_path / "c", 100, "t", EOS) as writer:
+        writer.add_document(ids, add_eos=False)
+        ids[:] = 9  # the caller reuses its buffer before the writer flushed
+    assert TokenCorpus.open(tmp_path / "c").tokens.tolist() == [1, 2, 3]
 
 
 def test_writer_marks_incomplete_while_writing(tmp_path):
@@ -222,3 +314,67 @@ def test_empty_corpus_opens(tmp_path):
     write_corpus(tmp_path / "c", [])
     corpus = TokenCorpus.open(tmp_path / "c")
     assert corpus.num_tokens == 0 and corpus.num_samples(8) == 0
+
+
+def test_index_without_fingerprint_still_reads():
+    data = json.loads(CorpusIndex(10, 1, 100, "uint16", "t", 3).to_json())
+    del data["tokenizer_fingerprint"]  # written before fingerprints existed
+    assert CorpusIndex.from_json(json.dumps(data)).tokenizer_fingerprint is None
+
+
+# -- validate_corpus -----------------------------------------------------------------------
+def test_validate_corpus_vocab_size(tmp_path):
+    write_corpus(tmp_path / "c", DOCS, vocab_size=100)
+    validate_corpus(tmp_path / "c", tokenizer_name_or_path=None, vocab_size=100)
+    validate_corpus(TokenCorpus.open(tmp_path / "c"), tokenizer_name_or_path=None, vocab_size=128)
+    with pytest.raises(
+        InputError, match=r"vocab_size 100 .* vocab_size is 99: set model.model_config.vocab_size"
+    ):
+        validate_corpus(str(tmp_path / "c"), tokenizer_name_or_path=None, vocab_size=99)
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+def test_validate_corpus_tokenizer_by_fingerprint(local_dataset, tmp_path, offline):
+    corpus = TokenCorpus.open(local_dataset.corpus_dir)
+    assert corpus.index.tokenizer_fingerprint is not None
+    validate_corpus(corpus, tokenizer_name_or_path=str(local_dataset.tokenizer_dir), vocab_size=512)
+    # Same contents elsewhere: fine, whatever the name.
+    moved = shutil.copytree(local_dataset.tokenizer_dir, tmp_path / "moved")
+    validate_corpus(corpus, tokenizer_name_or_path=str(moved), vocab_size=512)
+    # A different tokenizer is refused even though the vocabulary fits.
+    other = build_local_tokenizer(tmp_path / "other", vocab_size=300)
+    with pytest.raises(InputError, match="different vocabulary or merges") as info:
+        validate_corpus(corpus, tokenizer_name_or_path=str(other), vocab_size=512)
+    message = str(info.value)
+    assert "tokenizer.tokenizer_name_or_path" in message and "validate_tokenizer" in message
+    assert "\n" not in message
+
+
+def test_validate_corpus_tokenizer_by_name_when_it_cannot_be_loaded(local_dataset, tmp_path, offline):
+    # A hub id that is not in the cache cannot be loaded offline: only the name can be compared.
+    shutil.copytree(local_dataset.corpus_dir, tmp_path / "c")
+    index = CorpusIndex.read(tmp_path / "c")
+    index.tokenizer = "some-org/not-cached-tokenizer"
+    index.write(tmp_path / "c")
+    validate_corpus(tmp_path / "c", tokenizer_name_or_path="some-org/not-cached-tokenizer", vocab_size=512)
+    with pytest.raises(InputError, match="could not be loaded offline"):
+        validate_corpus(tmp_path / "c", tokenizer_name_or_path="some-org/other-tokenizer", vocab_size=512)
+    # Without a recorded fingerprint, names decide too.
+    write_corpus(tmp_path / "old", DOCS)  # tokenizer "test-tokenizer", no fingerprint
+    validate_corpus(tmp_path / "old", tokenizer_name_or_path="test-tokenizer", vocab_size=100)
+    with pytest.raises(InputError, match="records no tokenizer fingerprint"):
+        validate_corpus(
+            tmp_path / "old", tokenizer_name_or_path=str(local_dataset.tokenizer_dir), vocab_size=100
+        )
+
+
+def test_package_exports_resolve():
+    for name in data_pkg.__all__:
+        assert getattr(data_pkg, name) is not None
+    # The function, not the submodule of the same name.
+    assert data_pkg.preprocess is sys.modules["nanotron_recover.data.preprocess"].preprocess

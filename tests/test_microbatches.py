@@ -15,6 +15,7 @@ from nanotron_recover.data.microbatches import (
     SyntheticMicroBatches,
     build_microbatch_source,
 )
+from nanotron_recover.errors import InputError
 
 VOCAB = 1000
 L = 8
@@ -138,9 +139,38 @@ def test_build_source(corpus_dir):
     )
 
 
-def test_vocab_mismatch_names_both_sizes(corpus_dir):
-    with pytest.raises(ValueError, match=r"vocab_size 1000 but the model's vocab_size is 512.*vocab_size"):
+def test_vocab_mismatch_is_an_input_error_naming_both_sizes(corpus_dir):
+    with pytest.raises(
+        InputError,
+        match=r"vocab_size 1000 but the model's vocab_size is 512: set model.model_config.vocab_size",
+    ):
         build_microbatch_source(corpus_dir, vocab_size=512, micro_batch_size=4, sequence_length=L, seed=0)
+
+
+def test_tokenizer_is_checked_only_when_asked(corpus_dir, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    kwargs = {"vocab_size": VOCAB, "micro_batch_size": 4, "sequence_length": L, "seed": 0}
+    # The corpus records tokenizer "t" (and no fingerprint, so names are compared).
+    build_microbatch_source(corpus_dir, **kwargs)
+    build_microbatch_source(corpus_dir, tokenizer_name_or_path="t", **kwargs)
+    with pytest.raises(InputError, match=r"tokenized with 't' but tokenizer.tokenizer_name_or_path is 'u'"):
+        build_microbatch_source(corpus_dir, tokenizer_name_or_path="u", **kwargs)
+    # Synthetic data has no tokenizer to disagree with.
+    build_microbatch_source(None, tokenizer_name_or_path="u", **kwargs)
+
+
+def test_corpus_from_another_tokenizer_is_refused(local_dataset, tmp_path, monkeypatch):
+    from nanotron_recover.data.local_corpus import build_local_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    kwargs = {"vocab_size": 512, "micro_batch_size": 2, "sequence_length": 16, "seed": 0}
+    src = build_microbatch_source(
+        local_dataset.corpus_dir, tokenizer_name_or_path=str(local_dataset.tokenizer_dir), **kwargs
+    )
+    assert src.get(0).shape == (2, 17)
+    other = build_local_tokenizer(tmp_path / "other", vocab_size=400)
+    with pytest.raises(InputError, match="different vocabulary or merges"):
+        build_microbatch_source(local_dataset.corpus_dir, tokenizer_name_or_path=str(other), **kwargs)
 
 
 def test_corpus_too_small_for_sequence_length(corpus_dir):

@@ -83,3 +83,23 @@ def test_resume_on_another_layout(tmp_path, local_dataset, reference):
     train(tmp_path, local_dataset.corpus_dir, layout(1, 1, 1, 8), ["--stop-after-step", "5"])
     resumed = train(tmp_path, local_dataset.corpus_dir, layout(2, 1, 2, 4))
     assert_same_curve(resumed, reference, rel=1e-5)
+
+
+def test_corpus_from_another_tokenizer_is_refused(tmp_path, local_dataset):
+    """The corpus index records its tokenizer; training with a config naming another one stops
+    with a one-line error instead of training on mismatched ids."""
+    from nanotron_recover.data import build_local_tokenizer
+
+    other = build_local_tokenizer(tmp_path / "other_tokenizer", vocab_size=300)
+    args = ["train", "--config", CONFIG, "--run-dir", str(tmp_path / "run")]
+    for s in [
+        *layout(1, 1, 1, 2),
+        "tokens.train_steps=1",
+        f"data_stages.0.data.dataset={{dataset_folder: {local_dataset.corpus_dir}}}",
+        f"tokenizer.tokenizer_name_or_path={other}",
+    ]:
+        args += ["--set", s]
+    result = run_cli(args, timeout=120)
+    assert result.returncode == 2, result.output[-2000:]
+    assert "tokenizer" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr

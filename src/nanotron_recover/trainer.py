@@ -228,6 +228,7 @@ class DistributedTrainer:
         if key not in self._sources:
             ds = stage.data.dataset
             folder = ds.dataset_folder if isinstance(ds, TokenizedDatasetArgs) else None
+            check_tokenizer = isinstance(ds, TokenizedDatasetArgs) and ds.validate_tokenizer
             t = self.cfg.tokens
             self._sources[key] = build_microbatch_source(
                 folder,
@@ -235,6 +236,8 @@ class DistributedTrainer:
                 micro_batch_size=t.micro_batch_size,
                 sequence_length=t.sequence_length,
                 seed=stage.data.seed if stage.data.seed is not None else self.cfg.general.seed,
+                # The corpus must come from the config's tokenizer (checked against its index).
+                tokenizer_name_or_path=self.cfg.tokenizer.tokenizer_name_or_path if check_tokenizer else None,
             )
         return self._sources[key]
 

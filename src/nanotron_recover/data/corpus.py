@@ -17,10 +17,21 @@ Samples: for a sequence length ``L`` sample ``i`` is tokens ``[i*L, i*L + L + 1)
 Consecutive samples therefore overlap by exactly one token and every token is predicted
 exactly once per epoch (except the very first token, which is only ever an input).
 
-Writing is crash-aware: :class:`CorpusWriter` first writes an index with
-``complete: false`` and only marks it complete in :meth:`CorpusWriter.close`, so a reader
-never mistakes a half-written corpus for a finished one. The index is always replaced
-atomically (write a temporary file, then ``os.replace``).
+Writing is transactional, so that a crash never leaves a corpus that looks finished and an
+interrupted writer can be continued:
+
+* :class:`CorpusWriter` first writes an index with ``complete: false``; only
+  :meth:`CorpusWriter.close` marks it complete.
+* :meth:`CorpusWriter.commit` makes progress durable: it appends the buffered tokens to
+  ``tokens.bin`` and fsyncs it, *then* atomically replaces the index (temporary file, fsync,
+  ``os.replace``, fsync of the folder) with the new counts and the caller's ``resume`` record.
+  The index therefore never counts a token that is not on disk; ``tokens.bin`` may hold more
+  (flushed after the last commit), and :meth:`CorpusWriter.reopen` cuts that tail off.
+* An interrupted writer (exception, or ``close(complete=False)``) leaves the index of its last
+  commit, never counts that are ahead of the caller's resume record.
+
+:func:`validate_corpus` is the training-time check that a corpus fits the model: vocabulary
+size, and (optionally) that it was made with the configured tokenizer.
 """
 
 from __future__ import annotations
@@ -34,6 +45,9 @@ from types import TracebackType
 from typing import Any
 
 import numpy as np
+
+from nanotron_recover.data.tokenization import load_tokenizer, tokenizer_fingerprint
+from nanotron_recover.errors import InputError
 
 FORMAT_VERSION = 1
 TOKENS_FILE = "tokens.bin"
@@ -55,6 +69,9 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
 class CorpusIndex:
     """Metadata of a corpus folder, stored as ``index.json``.
 
+    ``tokenizer`` is the tokenizer's name or path and ``tokenizer_fingerprint`` a hash of its
+    contents (:func:`~nanotron_recover.data.tokenization.tokenizer_fingerprint`), so a corpus
+    can be matched to a tokenizer by content; ``vocab_size`` is ``len(tokenizer)``.
     ``source`` describes where the text came from (dataset, config, split, ...) and
     ``resume`` holds a position in that source so that preprocessing can be resumed;
     both are free-form dicts owned by the writer of the corpus. Keys this version does
@@ -71,6 +88,7 @@ class CorpusIndex:
     format_version: int = FORMAT_VERSION
     source: dict[str, Any] | None = None
     resume: dict[str, Any] | None = None
+    tokenizer_fingerprint: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -104,7 +122,7 @@ class CorpusIndex:
         return cls.from_json((Path(folder) / INDEX_FILE).read_text(encoding="utf-8"))
 
     def write(self, folder: str | Path) -> None:
-        """Write ``folder/index.json`` atomically: readers see the old or the new index, never half."""
+        """Write ``folder/index.json`` atomically and durably: readers see the old or the new index, never half."""
         path = Path(folder) / INDEX_FILE
         tmp = path.with_name(f".{INDEX_FILE}.{os.getpid()}.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
@@ -112,6 +130,21 @@ class CorpusIndex:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (POSIX); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory; the rename itself is still atomic
+    finally:
+        os.close(fd)
 
 
 class CorpusWriter:
@@ -119,8 +152,9 @@ class CorpusWriter:
 
     Each document is written as its ids followed by ``eos_token_id``. ``tokenizer`` is the
     tokenizer's name or path, recorded for humans and for decoding samples later. Any
-    existing corpus in ``folder`` is overwritten. If the ``with`` block raises, the tokens
-    written so far are flushed but the index stays ``complete: false``.
+    existing corpus in ``folder`` is overwritten; :meth:`reopen` continues one instead.
+    Progress is durable only at :meth:`commit` and :meth:`close` (see the module docstring):
+    if the ``with`` block raises, the index stays at the last commit, ``complete: false``.
     """
 
     def __init__(
@@ -131,16 +165,81 @@ class CorpusWriter:
         eos_token_id: int,
         *,
         source: dict[str, Any] | None = None,
+        resume: dict[str, Any] | None = None,
+        tokenizer_fingerprint: str | None = None,
     ) -> None:
-        self.folder = Path(folder)
+        self._setup(
+            Path(folder), vocab_size, str(tokenizer), eos_token_id, source, resume, tokenizer_fingerprint
+        )
+        self.folder.mkdir(parents=True, exist_ok=True)
+        # Mark the folder incomplete *before* touching tokens.bin, so that a crash at any
+        # later point leaves a corpus that readers reject with "did not finish".
+        self._committed = self._index(complete=False)
+        self._committed.write(self.folder)
+        self._file = open(self.folder / TOKENS_FILE, "wb")
+
+    @classmethod
+    def reopen(cls, folder: str | Path, index: CorpusIndex | None = None) -> CorpusWriter:
+        """Continue the corpus in ``folder`` from ``index`` (default: its own index.json).
+
+        ``index`` may count fewer tokens than the folder holds (e.g. to drop a last document that
+        was cut short); it is written first, with ``complete: false``, and then ``tokens.bin`` is
+        truncated to its ``num_tokens``, so a crash in between still leaves a resumable folder.
+        """
+        folder = Path(folder)
+        if index is None:
+            index = CorpusIndex.read(folder)
+        self = cls.__new__(cls)
+        self._setup(
+            folder,
+            index.vocab_size,
+            index.tokenizer,
+            index.eos_token_id,
+            index.source,
+            index.resume,
+            index.tokenizer_fingerprint,
+        )
+        if index.dtype != self.dtype.name:
+            raise ValueError(
+                f"corpus index in {folder} is corrupt: dtype {index.dtype} for vocab {index.vocab_size}"
+            )
+        path = folder / TOKENS_FILE
+        have = path.stat().st_size if path.is_file() else 0
+        need = index.num_tokens * self.dtype.itemsize
+        if have < need:
+            raise ValueError(
+                f"corpus tokens file {path} holds {have} bytes, fewer than the {need} its index committed: "
+                f"the folder is corrupt, delete it and start again"
+            )
+        self.num_tokens = index.num_tokens
+        self.num_documents = index.num_documents
+        self._committed = self._index(complete=False)
+        self._committed.write(folder)
+        self._file = open(path, "r+b" if path.is_file() else "wb")
+        self._file.truncate(need)  # tokens flushed after the last commit are not counted: drop them
+        self._file.seek(need)
+        return self
+
+    def _setup(
+        self,
+        folder: Path,
+        vocab_size: int,
+        tokenizer: str,
+        eos_token_id: int,
+        source: dict[str, Any] | None,
+        resume: dict[str, Any] | None,
+        fingerprint: str | None,
+    ) -> None:
+        self.folder = folder
         self.dtype = dtype_for_vocab(vocab_size)
         if not 0 <= eos_token_id < vocab_size:
             raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {vocab_size})")
         self.vocab_size = vocab_size
-        self.tokenizer = str(tokenizer)
+        self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self.source = source
-        self.resume: dict[str, Any] | None = None
+        self.resume = resume
+        self.tokenizer_fingerprint = fingerprint
         self.num_tokens = 0
         self.num_documents = 0
         self._buffer: list[np.ndarray] = []
@@ -148,17 +247,10 @@ class CorpusWriter:
         self._closed = False
         self._final: CorpusIndex | None = None
 
-        self.folder.mkdir(parents=True, exist_ok=True)
-        # Mark the folder incomplete *before* touching tokens.bin, so that a crash at any
-        # later point leaves a corpus that readers reject with "did not finish".
-        self._index(complete=False).write(self.folder)
-        self._file = open(self.folder / TOKENS_FILE, "wb")
-
-    def add_document(self, ids: Sequence[int] | np.ndarray, *, add_eos: bool = True) -> None:
-        """Append one document's ids, then eos (``add_eos=False`` only to cut a document short)."""
+    def _checked(self, arr: np.ndarray) -> np.ndarray:
+        """``arr`` as the corpus dtype, after checking it is 1-D, integer and inside the vocabulary."""
         if self._closed:
             raise ValueError("CorpusWriter is closed")
-        arr = np.asarray(ids)
         if arr.ndim != 1:
             raise ValueError(f"a document must be a 1-D sequence of token ids, got shape {arr.shape}")
         if arr.size:
@@ -169,33 +261,76 @@ class CorpusWriter:
                 raise ValueError(f"token id {hi} is out of range for vocab_size {self.vocab_size}")
             if lo < 0:
                 raise ValueError(f"token id {lo} is negative")
+        return arr.astype(self.dtype)  # always a copy: the caller may reuse its array
+
+    def add_document(self, ids: Sequence[int] | np.ndarray, *, add_eos: bool = True) -> None:
+        """Append one document's ids, then eos (``add_eos=False`` only to cut a document short)."""
+        arr = self._checked(np.asarray(ids))
         if add_eos:
-            arr = np.concatenate([arr.astype(self.dtype), np.array([self.eos_token_id], dtype=self.dtype)])
-        else:
-            arr = arr.astype(self.dtype)
+            arr = np.concatenate([arr, np.array([self.eos_token_id], dtype=self.dtype)])
+        self._append(arr, documents=1)
+
+    def add_documents(self, ids: np.ndarray, lengths: Sequence[int] | np.ndarray) -> None:
+        """Append many documents at once: ``ids`` holds them back to back, ``lengths[i]`` ids each.
+
+        Equivalent to ``add_document`` on each slice (each gets its eos), without a Python-level
+        loop over documents -- the preprocessing hot path.
+        """
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if lengths.ndim != 1 or (lengths.size and int(lengths.min()) < 0):
+            raise ValueError("lengths must be a 1-D sequence of non-negative counts")
+        arr = self._checked(np.asarray(ids))
+        if int(lengths.sum()) != arr.size:
+            raise ValueError(f"lengths add up to {int(lengths.sum())} ids but {arr.size} were given")
+        self._append(np.insert(arr, np.cumsum(lengths), self.eos_token_id), documents=lengths.size)
+
+    def _append(self, arr: np.ndarray, *, documents: int) -> None:
         self._buffer.append(arr)
         self._buffered += arr.size
         self.num_tokens += arr.size
-        self.num_documents += 1
+        self.num_documents += documents
         if self._buffered >= _FLUSH_TOKENS:
-            self._flush()
+            self._flush()  # bounds memory only; nothing counts as written before commit()
 
     def set_resume(self, resume: dict[str, Any] | None) -> None:
         """Record where in the source the next document would come from (stored in the index)."""
         self.resume = resume
 
+    def commit(self, resume: dict[str, Any] | None = None) -> CorpusIndex:
+        """Make everything added so far durable, with ``resume`` (if given) as the source position.
+
+        Tokens are appended and fsynced before the index that counts them replaces the old one.
+        """
+        if self._closed:
+            raise ValueError("CorpusWriter is closed")
+        if resume is not None:
+            self.resume = resume
+        self._sync()
+        self._committed = self._index(complete=False)
+        self._committed.write(self.folder)
+        return self._committed
+
     def close(self, *, complete: bool = True) -> CorpusIndex:
-        """Flush tokens, write the final index atomically and return it. Idempotent."""
+        """Flush tokens and, if ``complete``, write the final index atomically; return the index. Idempotent.
+
+        ``complete=False`` (an interrupted writer) leaves the index of the last commit in place.
+        """
         if self._final is not None:
             return self._final
+        self._sync()
+        self._file.close()
+        self._closed = True
+        if complete:
+            self._final = self._index(complete=True)
+            self._final.write(self.folder)
+        else:
+            self._final = self._committed
+        return self._final
+
+    def _sync(self) -> None:
         self._flush()
         self._file.flush()
         os.fsync(self._file.fileno())
-        self._file.close()
-        self._closed = True
-        self._final = self._index(complete=complete)
-        self._final.write(self.folder)
-        return self._final
 
     def _flush(self) -> None:
         if self._buffer:
@@ -214,6 +349,7 @@ class CorpusWriter:
             complete=complete,
             source=self.source,
             resume=self.resume,
+            tokenizer_fingerprint=self.tokenizer_fingerprint,
         )
 
     def __enter__(self) -> CorpusWriter:
@@ -323,3 +459,62 @@ class TokenCorpus:
         return (
             f"TokenCorpus({str(self.folder)!r}, num_tokens={self.num_tokens}, vocab_size={self.vocab_size})"
         )
+
+
+def validate_corpus(
+    corpus: TokenCorpus | str | Path, *, tokenizer_name_or_path: str | None, vocab_size: int
+) -> None:
+    """Check that a corpus fits a model; raise :class:`InputError` (one line) naming the config field to change.
+
+    * The corpus's vocabulary must not exceed the model's ``vocab_size`` (a larger model
+      vocabulary is fine, e.g. padded embeddings).
+    * If ``tokenizer_name_or_path`` is given, it must be the corpus's tokenizer: compared by
+      fingerprint when it can be loaded offline (local folder or HF cache) and the corpus
+      records one, by name otherwise -- so a tokenizer that was moved still matches, and the
+      check never touches the network.
+    """
+    if not isinstance(corpus, TokenCorpus):
+        corpus = TokenCorpus.open(corpus)
+    if corpus.vocab_size > vocab_size:
+        raise InputError(
+            f"the corpus at {corpus.folder} was tokenized with vocab_size {corpus.vocab_size} but the model's "
+            f"vocab_size is {vocab_size}: set model.model_config.vocab_size to at least {corpus.vocab_size} "
+            f"or re-run `nanotron-recover preprocess` with the model's tokenizer"
+        )
+    if tokenizer_name_or_path is None:
+        return
+    given = str(tokenizer_name_or_path)
+    recorded = corpus.index.tokenizer
+    reason = _tokenizer_mismatch(corpus.index, given)
+    if reason is None:
+        return
+    raise InputError(
+        f"the corpus at {corpus.folder} was tokenized with {recorded!r} but tokenizer.tokenizer_name_or_path "
+        f"is {given!r} ({reason}): set tokenizer.tokenizer_name_or_path to {recorded!r}, re-run "
+        f"`nanotron-recover preprocess --tokenizer {given}`, or set validate_tokenizer: false on the dataset"
+    )
+
+
+def _tokenizer_mismatch(index: CorpusIndex, given: str) -> str | None:
+    """Why ``given`` is not the corpus's tokenizer, or None if it is."""
+    if index.tokenizer_fingerprint is not None:
+        try:
+            tokenizer = load_tokenizer(given, offline=True)
+        except Exception:  # not loadable offline (hub id not cached, bad path): fall back to names
+            tokenizer = None
+        if tokenizer is not None:
+            if tokenizer_fingerprint(tokenizer) == index.tokenizer_fingerprint:
+                return None
+            return "a different vocabulary or merges"
+    if _same_name(index.tokenizer, given):
+        return None
+    if index.tokenizer_fingerprint is None:
+        return "the corpus records no tokenizer fingerprint, and the names differ"
+    return "it could not be loaded offline to compare contents, and the names differ"
+
+
+def _same_name(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    pa, pb = Path(a), Path(b)
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()

@@ -32,7 +32,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from nanotron_recover.data.corpus import TokenCorpus
+from nanotron_recover.data.corpus import TokenCorpus, validate_corpus
 
 # Mixed into the synthetic generator's seed so that a synthetic stream never coincides with
 # the permutation stream of a corpus source that uses the same user seed.
@@ -159,15 +159,16 @@ def build_microbatch_source(
     micro_batch_size: int,
     sequence_length: int,
     seed: int,
+    tokenizer_name_or_path: str | None = None,
 ) -> MicroBatchSource:
-    """The source the config asks for: synthetic when ``dataset_folder`` is None, else the corpus there."""
+    """The source the config asks for: synthetic when ``dataset_folder`` is None, else the corpus there.
+
+    A corpus is first checked with :func:`~nanotron_recover.data.corpus.validate_corpus`: its
+    vocabulary must fit ``vocab_size`` and, when ``tokenizer_name_or_path`` is given (config
+    ``validate_tokenizer: true``), it must have been made with that tokenizer.
+    """
     if dataset_folder is None:
         return SyntheticMicroBatches(vocab_size, micro_batch_size, sequence_length, seed)
     corpus = TokenCorpus.open(dataset_folder)
-    if corpus.vocab_size > vocab_size:
-        raise ValueError(
-            f"the corpus at {dataset_folder} was tokenized with vocab_size {corpus.vocab_size} but the model's "
-            f"vocab_size is {vocab_size}: set the model's vocab_size to at least {corpus.vocab_size} "
-            f"or re-run `nanotron-recover preprocess` with the model's tokenizer"
-        )
+    validate_corpus(corpus, tokenizer_name_or_path=tokenizer_name_or_path, vocab_size=vocab_size)
     return CorpusMicroBatches(corpus, micro_batch_size, sequence_length, seed)
