@@ -176,3 +176,17 @@ def test_below_min_replicas_checkpoints_and_resumes(tmp_path, local_dataset, pla
     for g, w in zip(got, plain, strict=True):
         assert g["ids_digest"] == w["ids_digest"]
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+
+
+def test_random_faults_until_half_are_gone(tmp_path, local_dataset, plain):
+    """recover.random_faults kills a seeded random replica every 4 steps until 2 of 4 are left."""
+    sets = layout(1, 1, 4, 2) + [
+        "recover.enabled=true",
+        "recover.random_faults={every_steps: 4, seed: 5, until_replicas: 2}",
+    ]
+    run(tmp_path, local_dataset.corpus_dir, sets, 4)
+    incidents = read_incidents(tmp_path)
+    assert [i["step"] for i in incidents] == [4, 8]
+    lost = sorted(r for i in incidents for r in i["failed_replicas"])
+    assert len(lost) == 2
+    assert_equivalent(tmp_path, plain, survivors=sorted(set(range(4)) - set(lost)))
