@@ -17,24 +17,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
-from mpirun_utils import REPO, check, run_cli
-from transformers import LlamaConfig, LlamaForCausalLM
+from hf_models import VOCAB, save_random_hf_model, write_config
+from mpirun_utils import check, run_cli
+from transformers import LlamaForCausalLM
 
-MODEL = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 2,
-    "vocab_size": 128,
-    "max_position_embeddings": 64,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-}
-VOCAB = MODEL["vocab_size"]
 BATCH, SEQ = 2, 12
 LAYOUTS = [
     (1, 1, False),
@@ -45,34 +31,6 @@ LAYOUTS = [
     (1, 2, True),
     (2, 2, True),
 ]
-
-
-def write_config(path: Path, tie: bool) -> Path:
-    """The repo's tiny CPU config with this file's model, one rank (eval's --set picks tp/pp)."""
-    data = yaml.safe_load((REPO / "configs" / "tiny_cpu.yaml").read_text())
-    data["model"]["model_config"].update(MODEL, tie_word_embeddings=tie)
-    data["parallelism"].update(dp=1, tp=1, pp=1)
-    data["tokens"].update(
-        sequence_length=16, micro_batch_size=2, batch_accumulation_per_replica=1, train_steps=1
-    )
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
-def save_random_hf_model(out: Path, tie: bool, seed: int) -> Path:
-    """A fp32 HF LLaMA with every weight random (norms near 1), so logits are far from uniform."""
-    hf_config = LlamaConfig(**MODEL, tie_word_embeddings=tie)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(hf_config).float()
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.copy_(1.0 + 0.2 * torch.randn_like(param))
-                else:
-                    param.normal_(0.0, 0.3)
-    model.save_pretrained(out)
-    return out
 
 
 def hf_logits(hf_dir: Path, inputs: torch.Tensor) -> torch.Tensor:
