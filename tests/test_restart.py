@@ -76,3 +76,50 @@ def test_a_failing_launch_is_not_restarted_forever(tmp_path):
     result = run_cli(args, timeout=120)
     assert result.returncode != 0
     assert "without progress: not restarting" in result.output
+
+
+def test_restart_incidents_reach_wandb(tmp_path, monkeypatch):
+    """The launcher's restart incidents (with their stall) go to incidents.jsonl and to W&B."""
+    from test_wandb_logger import read_offline_run
+
+    from nanotron_recover.config import load_config
+    from nanotron_recover.restart import Restart, _write_incidents
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
+    cfg = load_config(
+        CONFIG,
+        [
+            "recover.enabled=true",
+            "recover.mode=checkpoint_restart",
+            "checkpoints.checkpoint_interval=2",
+            "logging.wandb={project: test, group: g, mode: offline}",
+        ],
+        check_paths=False,
+    )
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "time": 100.0 + s}) + "\n" for s in range(1, 7))
+    )
+    restart = Restart(
+        1,
+        failed_at=103.5,
+        step=4,
+        phase="forward",
+        failed_replicas=[1],
+        failed_ranks=[1],
+        resumed_from_step=2,
+        exit_code=137,
+    )
+    _write_incidents(cfg, tmp_path, [restart])
+
+    (incident,) = read_incidents(tmp_path)
+    assert incident["stall_s"] == pytest.approx(0.5), "step 4 recommitted at t=104, death at 103.5"
+    assert incident["recomputed_steps"] == 1
+    run = read_offline_run(tmp_path)
+    assert run["run"].display_name == "ckpt-restart-2-restarts"
+    assert run["run"].run_group == "g"
+    assert run["history"][4]["incident/stall_s"] == pytest.approx(0.5)
+    assert run["history"][4]["incident/restart"] == 1

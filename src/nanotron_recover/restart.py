@@ -25,6 +25,7 @@ from .checkpoint import latest_step
 from .config import Config
 from .ft.faults import read_deaths
 from .logging import IncidentLog, read_metrics
+from .logging.wandb_logger import RunLogger, run_name_for_config
 
 
 @dataclass
@@ -65,11 +66,11 @@ def run_with_restarts(cfg: Config, run_dir: Path, launch_cmd: list[str], checkpo
                 f"[nanotron-recover] launch failed (exit {code}) without progress: not restarting",
                 file=sys.stderr,
             )
-            _write_incidents(run_dir, restarts)
+            _write_incidents(cfg, run_dir, restarts)
             return code
         if len(restarts) >= cfg.recover.max_restarts:
             print(f"[nanotron-recover] giving up after {len(restarts)} restarts", file=sys.stderr)
-            _write_incidents(run_dir, restarts)
+            _write_incidents(cfg, run_dir, restarts)
             return code
         resumed = latest_step(checkpoints_path) or 0
         first = deaths[0] if deaths else None
@@ -90,29 +91,35 @@ def run_with_restarts(cfg: Config, run_dir: Path, launch_cmd: list[str], checkpo
             f"relaunching from the checkpoint of step {resumed}",
             flush=True,
         )
-    _write_incidents(run_dir, restarts)
+    _write_incidents(cfg, run_dir, restarts)
     return 0
 
 
-def _write_incidents(run_dir: Path, restarts: list[Restart]) -> None:
-    """Stall times need the relaunched job's commit times, so incidents are written at the end."""
+def _write_incidents(cfg: Config, run_dir: Path, restarts: list[Restart]) -> None:
+    """Stall times need the relaunched job's commit times, so incidents are written at the end, to
+    incidents.jsonl and, with ``logging.wandb``, to a W&B run ``<name>-restarts`` of the same group
+    (each relaunched job logs its steps to a run of its own)."""
     commit_time = {}
     if (run_dir / "metrics.jsonl").exists():
         commit_time = {r["step"]: r.get("time") for r in read_metrics(run_dir)}
     log = IncidentLog(run_dir / "incidents.jsonl")
+    wandb_run = RunLogger()
+    if restarts:
+        wandb_run = RunLogger.start(cfg.logging.wandb, run_dir, f"{run_name_for_config(cfg)}-restarts", cfg)
     for r in restarts:
         recommitted = commit_time.get(r.step)
-        log.write(
-            {
-                "step": r.step,
-                "phase": r.phase,
-                "failed_replicas": r.failed_replicas,
-                "failed_ranks": r.failed_ranks,
-                "action": "restart",
-                "restart": r.number,
-                "resumed_from_step": r.resumed_from_step,
-                "recomputed_steps": max(r.step - 1 - r.resumed_from_step, 0),
-                "stall_s": (recommitted - r.failed_at) if recommitted else None,
-                "exit_code": r.exit_code,
-            }
-        )
+        record = {
+            "step": r.step,
+            "phase": r.phase,
+            "failed_replicas": r.failed_replicas,
+            "failed_ranks": r.failed_ranks,
+            "action": "restart",
+            "restart": r.number,
+            "resumed_from_step": r.resumed_from_step,
+            "recomputed_steps": max(r.step - 1 - r.resumed_from_step, 0),
+            "stall_s": (recommitted - r.failed_at) if recommitted else None,
+            "exit_code": r.exit_code,
+        }
+        log.write(record)
+        wandb_run.log_incident(record)
+    wandb_run.finish()

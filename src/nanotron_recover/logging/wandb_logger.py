@@ -262,7 +262,7 @@ class RunLogger:
         }
         if record.get("alive_replicas") is not None:
             metrics["incident/alive_replicas"] = row[5]
-        for key in ("epoch", "extra_microbatches", "detect_s", "recover_s", "shrink_s"):
+        for key in ("epoch", "extra_microbatches", "detect_s", "recover_s", "shrink_s", "stall_s", "restart"):
             value = record.get(key)
             if _is_number(value) and math.isfinite(value):
                 metrics[f"incident/{key}"] = value
