@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -37,3 +38,17 @@ def machine_info() -> dict:
 def describe(machine: dict) -> str:
     gpu = f", GPU {machine['gpu']}" if machine["gpu"] else ", no GPU"
     return f"Machine: {machine['platform']}, {machine['cpus']} CPUs{gpu}, torch {machine['torch']}"
+
+
+def markdown_table(columns: list[str], rows: list[list]) -> list[str]:
+    """A Markdown table, one line per row (cells already formatted as text)."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def write_report(out: Path, name: str, data: dict, lines: list[str]) -> None:
+    """``<out>/<name>.json`` with the raw results and ``<out>/<name>.md`` with ``lines``, printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=2))
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))

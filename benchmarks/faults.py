@@ -29,7 +29,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from common import describe, machine_info  # noqa: E402
+from common import describe, machine_info, markdown_table, write_report  # noqa: E402
 
 from nanotron_recover.config import load_config  # noqa: E402
 from nanotron_recover.data import ensure_local_dataset  # noqa: E402
@@ -174,27 +174,27 @@ def main() -> int:
         r["throughput_vs_recover"] = (
             r["effective_tokens_per_s_per_rank"] / recover["effective_tokens_per_s_per_rank"]
         )
-    (out / "faults.json").write_text(
-        json.dumps(
-            {"machine": machine, "replicas": w, "steps": steps, "faults": faults, "runs": results}, indent=2
-        )
-    )
-    lines = [
-        f"{describe(machine)}. Tiny LLaMA, {w} replicas (tp=pp=1, {ranks} ranks), "
-        f"{steps} steps, a replica fails every {every} steps until half are gone ({len(faults)} faults).",
-        "",
-        "| run | wall (s) | committed tokens | effective tokens/s/rank | vs recover | faults | mean stall (s) | "
-        "max abs loss dev. vs plain |",
-        "|---|---|---|---|---|---|---|---|",
+    columns = ["run", "wall (s)", "committed tokens", "effective tokens/s/rank", "vs recover", "faults"]
+    columns += ["mean stall (s)", "max abs loss dev. vs plain"]
+    rows = [
+        [
+            r["run"],
+            f"{r['wall_s']:.1f}",
+            r["committed_tokens"],
+            f"{r['effective_tokens_per_s_per_rank']:.0f}",
+            f"{r['throughput_vs_recover']:.2f}",
+            r["faults"],
+            f"{r['mean_stall_s']:.2f}",
+            "-" if r["max_abs_loss_deviation"] is None else f"{r['max_abs_loss_deviation']:.2e}",
+        ]
+        for r in results
     ]
-    for r in results:
-        dev = "-" if r["max_abs_loss_deviation"] is None else f"{r['max_abs_loss_deviation']:.2e}"
-        lines.append(
-            f"| {r['run']} | {r['wall_s']:.1f} | {r['committed_tokens']} | {r['effective_tokens_per_s_per_rank']:.0f} | "
-            f"{r['throughput_vs_recover']:.2f} | {r['faults']} | {r['mean_stall_s']:.2f} | {dev} |"
-        )
-    (out / "faults.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    header = (
+        f"{describe(machine)}. Tiny LLaMA, {w} replicas (tp=pp=1, {ranks} ranks), {steps} steps, "
+        f"a replica fails every {every} steps until half are gone ({len(faults)} faults)."
+    )
+    data = {"machine": machine, "replicas": w, "steps": steps, "faults": faults, "runs": results}
+    write_report(out, "faults", data, [header, "", *markdown_table(columns, rows)])
     return 0
 
 

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from common import markdown_table, write_report
 
 from nanotron_recover.cli import train_command
 from nanotron_recover.data import ensure_local_dataset
@@ -95,20 +96,22 @@ def main() -> int:
         "replica_digests": len(digests),
     }
     name = "gpu_recovery" if device != "cpu" else "gpu_recovery_cpu_dryrun"
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
-    lines = [
-        f"Device: {device}. 3 replicas (tp=pp=1), replica 1 killed at step 3 (backward). ok={ok}",
-        "",
-        "| step | plain loss | recover loss | rel diff | ids equal | replicas |",
-        "|---|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {x['step']} | {x['plain']:.6f} | {x['recover']:.6f} | {x['rel_diff']:.1e} | {x['ids_equal']} | "
-        f"{x['replicas']} |"
-        for x in rows
-    ]
-    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    table = markdown_table(
+        ["step", "plain loss", "recover loss", "rel diff", "ids equal", "replicas"],
+        [
+            [
+                x["step"],
+                f"{x['plain']:.6f}",
+                f"{x['recover']:.6f}",
+                f"{x['rel_diff']:.1e}",
+                x["ids_equal"],
+                x["replicas"],
+            ]
+            for x in rows
+        ],
+    )
+    header = f"Device: {device}. 3 replicas (tp=pp=1), replica 1 killed at step 3 (backward). ok={ok}"
+    write_report(out, name, result, [header, "", *table])
     return 0 if ok else 1
 
 

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import describe, machine_info, run_training
+from common import describe, machine_info, markdown_table, run_training, write_report
 
 from nanotron_recover.data import ensure_local_dataset
 from nanotron_recover.logging import read_incidents, read_metrics
@@ -109,26 +109,20 @@ def main() -> int:
         "per_phase": per_phase,
         "incidents": incidents,
     }
-    (out / "recovery.json").write_text(json.dumps(summary, indent=2))
-    lines = [
-        f"{describe(machine)}. Tiny LLaMA, {w} replicas (tp=pp=1), B={2 * w}.",
-        "",
-        "| steady state | plain | recover | ratio recover/plain (target <= 1.05) |",
-        "|---|---|---|---|",
-        f"| median step time (s) | {steady['plain']:.4f} | {steady['recover']:.4f} | {ratio:.3f} |",
-        "",
-        "| fault phase | faults | median detect_s | median recover_s |",
-        "|---|---|---|---|",
-    ]
-    for phase, v in per_phase.items():
-        lines.append(
-            f"| {phase} | {v['faults']} | {v['detect_s_median']:.4f} | {v['recover_s_median']:.4f} |"
-        )
-    lines.append(
-        f"| **all** | {len(incidents)} | {summary['detect_s_median']:.4f} | {summary['recover_s_median']:.4f} |"
+    steady_table = markdown_table(
+        ["steady state", "plain", "recover", "ratio recover/plain (target <= 1.05)"],
+        [["median step time (s)", f"{steady['plain']:.4f}", f"{steady['recover']:.4f}", f"{ratio:.3f}"]],
     )
-    (out / "recovery.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    fault_rows = [
+        [phase, v["faults"], f"{v['detect_s_median']:.4f}", f"{v['recover_s_median']:.4f}"]
+        for phase, v in per_phase.items()
+    ]
+    fault_rows.append(
+        ["**all**", len(incidents), f"{summary['detect_s_median']:.4f}", f"{summary['recover_s_median']:.4f}"]
+    )
+    fault_table = markdown_table(["fault phase", "faults", "median detect_s", "median recover_s"], fault_rows)
+    header = f"{describe(machine)}. Tiny LLaMA, {w} replicas (tp=pp=1), B={2 * w}."
+    write_report(out, "recovery", summary, [header, "", *steady_table, "", *fault_table])
     return 0
 
 

@@ -10,14 +10,13 @@ are left out of the median.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from common import describe, machine_info, run_training
+from common import describe, machine_info, markdown_table, run_training, write_report
 
 from nanotron_recover.data import ensure_local_dataset
 from nanotron_recover.logging import read_metrics
@@ -91,20 +90,19 @@ def main() -> int:
             ]
             results.append(measure("llama-0.9B bf16 1 GPU", gpu, 1, tmp, 3000))
     machine = machine_info()
-    (out / "throughput.json").write_text(json.dumps({"machine": machine, "results": results}, indent=2))
-    lines = [
-        describe(machine),
-        "",
-        "| run | ranks | tokens/step | median step time (s) | median tokens/s |",
-        "|---|---|---|---|---|",
+    columns = ["run", "ranks", "tokens/step", "median step time (s)", "median tokens/s"]
+    rows = [
+        [
+            r["name"],
+            r["ranks"],
+            r["tokens_per_step"],
+            f"{r['median_step_time_s']:.4f}",
+            f"{r['median_tokens_per_s']:.0f}",
+        ]
+        for r in results
     ]
-    for r in results:
-        lines.append(
-            f"| {r['name']} | {r['ranks']} | {r['tokens_per_step']} | {r['median_step_time_s']:.4f} | "
-            f"{r['median_tokens_per_s']:.0f} |"
-        )
-    (out / "throughput.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    data = {"machine": machine, "results": results}
+    write_report(out, "throughput", data, [describe(machine), "", *markdown_table(columns, rows)])
     return 0
 
 

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 from nanotron_recover.ft.failstop import Watchdog
 
@@ -37,7 +36,7 @@ def test_fail_stop_is_sigkill_after_flush() -> None:
 
 
 def test_watchdog_kills_hung_phase() -> None:
-    t0 = time.monotonic()
+    # Killed (-9) rather than exiting 0 after the 20 s sleep: the watchdog fired.
     p = run_py(
         """
         import time
@@ -48,11 +47,9 @@ def test_watchdog_kills_hung_phase() -> None:
         print("survived")
         """
     )
-    elapsed = time.monotonic() - t0
     assert p.returncode == -signal.SIGKILL
     assert "survived" not in p.stdout
     assert "phase 'backward' hung" in p.stderr
-    assert elapsed < 15.0  # killed near the 0.3 s deadline, not after the 20 s sleep
 
 
 def test_watchdog_spares_phases_that_finish() -> None:

@@ -14,24 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .config import load_config
+from .config import add_config_arguments, load_config
 from .errors import InputError
 
 
 class UserError(Exception):
     pass
-
-
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="YAML config (Nanotron schema + recover:)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override any field, e.g. --set parallelism.tp=2 (repeatable)",
-    )
 
 
 def default_run_dir(cfg_path: str) -> Path:
@@ -176,28 +164,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train (one process per rank; start it with mpirun or launch)")
-    _add_config_args(p)
+    add_config_arguments(p)
     p.add_argument("--run-dir", help="metrics, checkpoints and logs (default runs/<config name>)")
     p.add_argument("--dry-run", action="store_true", help="validate and print the plan; needs no MPI")
     p.add_argument("--stop-after-step", type=int, help="checkpoint after this step and exit (pre-emption)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("launch", help="run train under mpirun with the flags the engine needs")
-    _add_config_args(p)
+    add_config_arguments(p)
     p.add_argument("--nproc", type=int, help="ranks to start (default tp*pp*dp)")
     p.add_argument("--run-dir")
     p.add_argument("--stop-after-step", type=int)
     p.set_defaults(func=cmd_launch)
 
     p = sub.add_parser("convert", help="convert to or from a Hugging Face LlamaForCausalLM folder")
-    _add_config_args(p)
+    add_config_arguments(p)
     p.add_argument("--from-hf", metavar="DIR")
     p.add_argument("--to-hf", metavar="CKPT")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("eval", help="loss and perplexity of a checkpoint on a [batch, seq] token file")
-    _add_config_args(p)
+    add_config_arguments(p)
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--tokens", required=True, metavar="FILE.npy")
     p.add_argument("--logits-out", metavar="FILE.npy")

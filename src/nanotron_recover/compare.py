@@ -14,13 +14,13 @@ replicas per step with a dashed vertical line at each incident.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import InputError
+from .logging.jsonl import read_jsonl
 
 
 @dataclass
@@ -61,21 +61,6 @@ class ComparisonResult:
         return self.runs[0]
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """JSON lines; a torn last line (a job killed mid-write) is dropped, a bad line elsewhere is an
-    InputError naming it."""
-    lines = [(i, line) for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
-    records = []
-    for k, (lineno, line) in enumerate(lines):
-        try:
-            records.append(json.loads(line))
-        except ValueError as e:
-            if k == len(lines) - 1:
-                break
-            raise InputError(f"{path}:{lineno}: not a JSON record ({e})") from None
-    return records
-
-
 def load_run(run_dir: Path) -> RunData:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -84,12 +69,12 @@ def load_run(run_dir: Path) -> RunData:
     if not metrics.is_file():
         raise InputError(f"{metrics} not found: is {run_dir} the --run-dir of a training run?")
     steps: dict[int, dict[str, Any]] = {}
-    for record in _read_jsonl(metrics):
+    for record in read_jsonl(metrics):
         if "step" not in record:
             raise InputError(f"{metrics}: a record has no 'step'")
         steps[int(record["step"])] = record
     incidents_path = run_dir / "incidents.jsonl"
-    incidents = _read_jsonl(incidents_path) if incidents_path.is_file() else []
+    incidents = read_jsonl(incidents_path) if incidents_path.is_file() else []
     return RunData(name=run_dir.resolve().name, path=run_dir, steps=steps, incidents=incidents)
 
 

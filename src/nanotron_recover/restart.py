@@ -44,10 +44,7 @@ def committed_steps(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return 0
-    try:
-        return max((r["step"] for r in read_metrics(path)), default=0)
-    except ValueError:
-        return 0
+    return max((r["step"] for r in read_metrics(path)), default=0)
 
 
 def run_with_restarts(cfg: Config, run_dir: Path, launch_cmd: list[str], checkpoints_path: Path) -> int:

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .config import Config, load_config
+from .config import Config, add_config_arguments, load_config
 from .errors import InputError
 
 # Shipped inside the package (slurm/ in the repository links to it) so installed copies find it.
@@ -226,23 +226,15 @@ def _read_template(template: str | Path | None) -> str:
     path = Path(template) if template else DEFAULT_TEMPLATE
     if not path.is_file():
         raise InputError(
-            f"sbatch template {str(path)!r} not found: pass --template (the default ships in the "
-            "repository's slurm/ folder)"
+            f"sbatch template {str(path)!r} not found: pass --template (the default ships inside the "
+            "package, templates/nanotron_recover.sbatch.in)"
         )
     return path.read_text()
 
 
 def add_slurm_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``nanotron-recover slurm`` (including ``--config`` and ``--set``)."""
-    parser.add_argument("--config", required=True, help="YAML config (Nanotron schema + recover:)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override any field, e.g. --set parallelism.dp=32 (repeatable; passed on to the job)",
-    )
+    add_config_arguments(parser)  # the --set overrides are passed on to the job
     parser.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
     parser.add_argument(
         "--gpus-per-node",

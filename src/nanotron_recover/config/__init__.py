@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import yaml
@@ -31,6 +32,19 @@ from .schema import (
 from .validate import check_world_size, validate_config
 
 
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--config`` and the repeatable ``--set KEY=VALUE`` of every command that reads a config."""
+    parser.add_argument("--config", required=True, help="YAML config (Nanotron schema + recover:)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any field, e.g. --set parallelism.tp=2 (repeatable)",
+    )
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None, check_paths: bool = True) -> Config:
     """Load ``path``, apply ``--set`` overrides, check every field; raise ConfigError otherwise.
 
@@ -53,6 +67,7 @@ def dump_config(cfg: Config) -> str:
 
 
 __all__ = [
+    "add_config_arguments",
     "CheckpointsArgs",
     "Config",
     "ConfigError",

@@ -98,47 +98,9 @@ class PreprocessResult:
     workers: int
 
 
-def preprocess(
-    dataset: str = "allenai/c4",
-    name: str | None = "en",
-    *,
-    data_files: list[str] | None = None,
-    split: str = "train",
-    text_column: str = "text",
-    tokenizer: str,
-    out: Path,
-    max_tokens: int | None = None,
-    progress: bool = True,
-    workers: int | None = None,
-    chunk_docs: int = DEFAULT_CHUNK_DOCS,
-    commit_tokens: int | None = None,
-    log: Callable[[str], None] | None = None,
-) -> CorpusIndex:
-    """Stream ``dataset`` (config ``name``, ``split``), tokenize ``text_column`` into a corpus at ``out``.
-
-    For local files pass e.g. ``dataset="json", name=None, data_files=[...]``. ``workers``
-    tokenizing processes (default: the usable cores; 0 = in this process) handle ``chunk_docs``
-    rows at a time, and progress is committed every ``commit_tokens`` tokens (default
-    ``DEFAULT_COMMIT_TOKENS``). An unfinished corpus at ``out`` is resumed (see the module
-    docstring); ``log`` receives a line when that happens or when there is nothing to do.
-    Workers are *spawned* processes, so a script calling this with ``workers >= 1`` needs the
-    usual ``if __name__ == "__main__":`` guard. Returns the index of the finished corpus.
-    """
-    return preprocess_run(
-        dataset,
-        name,
-        data_files=data_files,
-        split=split,
-        text_column=text_column,
-        tokenizer=tokenizer,
-        out=out,
-        max_tokens=max_tokens,
-        progress=progress,
-        workers=workers,
-        chunk_docs=chunk_docs,
-        commit_tokens=commit_tokens,
-        log=log,
-    ).index
+def preprocess(dataset: str = "allenai/c4", name: str | None = "en", **kwargs: Any) -> CorpusIndex:
+    """:func:`preprocess_run` returning only the finished corpus's index (same arguments)."""
+    return preprocess_run(dataset, name, **kwargs).index
 
 
 def preprocess_run(
@@ -157,7 +119,17 @@ def preprocess_run(
     commit_tokens: int | None = None,
     log: Callable[[str], None] | None = None,
 ) -> PreprocessResult:
-    """:func:`preprocess`, returning a :class:`PreprocessResult` (status, throughput) as well."""
+    """Stream ``dataset`` (config ``name``, ``split``), tokenize ``text_column`` into a corpus at ``out``.
+
+    For local files pass e.g. ``dataset="json", name=None, data_files=[...]``. ``workers``
+    tokenizing processes (default: the usable cores; 0 = in this process) handle ``chunk_docs``
+    rows at a time, and progress is committed every ``commit_tokens`` tokens (default
+    ``DEFAULT_COMMIT_TOKENS``). An unfinished corpus at ``out`` is resumed (see the module
+    docstring); ``log`` receives a line when that happens or when there is nothing to do.
+    Workers are *spawned* processes, so a script calling this with ``workers >= 1`` needs the
+    usual ``if __name__ == "__main__":`` guard. Returns the index and what this run did (status,
+    rows, tokens, seconds).
+    """
     if max_tokens is not None and max_tokens < 1:
         raise InputError(f"max_tokens must be >= 1 (or None for the whole dataset), got {max_tokens}")
     if chunk_docs < 1:

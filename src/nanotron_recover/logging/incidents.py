@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .jsonl import read_jsonl
+
 
 class IncidentLog:
     def __init__(self, path: str | Path):
@@ -25,9 +27,8 @@ class IncidentLog:
 
 
 def read_incidents(path: str | Path) -> list[dict[str, Any]]:
+    """The records of ``<run_dir>/incidents.jsonl`` (the file or its run directory); none if absent."""
     path = Path(path)
     if path.is_dir():
         path = path / "incidents.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path) if path.exists() else []

@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from .jsonl import read_jsonl
+
 
 def ids_digest(ids: Iterable[int]) -> str:
     return hashlib.sha256(",".join(str(i) for i in sorted(ids)).encode()).hexdigest()
@@ -27,7 +29,7 @@ class MetricsWriter:
         # Keep the complete records already there: a resumed run drops the steps after its
         # checkpoint (it redoes them); a writer taking over from a failed one (fault-tolerant mode)
         # drops a line its predecessor died in the middle of and continues after the last step.
-        kept = _complete_records(self.path.read_text()) if self.path.exists() else []
+        kept = read_jsonl(self.path) if self.path.exists() else []
         if truncate_after_step is not None:
             kept = [r for r in kept if r["step"] <= truncate_after_step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -45,18 +47,7 @@ class MetricsWriter:
         self._file.close()
 
 
-def _complete_records(text: str) -> list[dict[str, Any]]:
-    records = []
-    for line in text.splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            break  # a torn last line
-    return records
-
-
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of ``<run_dir>/metrics.jsonl`` (``path`` is the file or its run directory)."""
     path = Path(path)
-    if path.is_dir():
-        path = path / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path / "metrics.jsonl" if path.is_dir() else path)

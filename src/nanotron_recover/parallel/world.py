@@ -98,8 +98,3 @@ def create_store(comm, rank: int, size: int, timeout: timedelta) -> dist.Store:
     if rank != 0:
         store = dist.TCPStore(address[0], address[1], size, is_master=False, timeout=timeout)
     return store
-
-
-def shutdown_world() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
