@@ -29,7 +29,12 @@ RUN_TIMEOUT_S = 60.0
 pytestmark = pytest.mark.skipif(MPIRUN is None, reason="mpirun (Open MPI with ULFM) not available")
 
 
-def run_worker(tmp_path: Path, n: int, *args: str) -> dict[int, dict[str, Any]]:
+# ULFM's heartbeat detector, as short as this 2-core machine allows without false alarms.
+HEARTBEAT = ["--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true"]
+HEARTBEAT += ["--mca", "mpi_ft_detector_period", "0.5", "--mca", "mpi_ft_detector_timeout", "2"]
+
+
+def run_worker(tmp_path: Path, n: int, *args: str, mca: list[str] | None = None) -> dict[int, dict[str, Any]]:
     """Run the worker on ``n`` ranks; return {rank: result} for the ranks that wrote one."""
     out = tmp_path / "out"
     out.mkdir()
@@ -42,6 +47,7 @@ def run_worker(tmp_path: Path, n: int, *args: str) -> dict[int, dict[str, Any]]:
         "--mca",
         "coll",
         "^han,cuda",
+        *(mca or []),
         "-n",
         str(n),
         sys.executable,
@@ -91,6 +97,7 @@ def assert_consistent_world(results: dict[int, dict[str, Any]], topo: Topology, 
         assert d["dp_rank"] == alive.index(c.replica)
         assert d["replica_members"] == topo.ranks_of_replica(c.replica)
         assert d["agree_and"] is False  # the dp_rank-0 replica voted False
+        assert d["stop_or"] == sum(1 << (r % 8) for r in set(alive))
         assert all(s["committed"] and s["uniform"] for s in d["steps"])
 
 
@@ -267,3 +274,43 @@ def test_no_replica_left(tmp_path: Path) -> None:
         assert res[r].get("too_few") is True
         assert res[r]["too_few_result"]["alive_replicas"] == []
         assert res[r]["too_few_result"]["failed_replicas"] == [0, 1]
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_frozen_rank_is_declared_failed_and_removed(tmp_path: Path) -> None:
+    """SIGSTOP one of 4 ranks: the heartbeat detector reports it, the others shrink past it, go on,
+    and the frozen process is SIGKILLed by a survivor on its host (it never wakes up)."""
+    topo = Topology(tp=1, pp=1, n_replicas=4)
+    res = run_worker(tmp_path, 4, "--tp", "1", "--replicas", "4", "--freeze", "2:1", "--iters", "3", mca=HEARTBEAT)
+    assert res[2].get("frozen") and not res[2].get("woke"), "the frozen rank must not wake up"
+    assert not _process_exists(res[2]["pid"])
+    assert_consistent_world(res, topo, [0, 1, 3])
+    for d in survivors(res).values():
+        (change,) = d["changes"]
+        assert change["failed_ranks"] == [2]
+        assert change["hung_ranks"] == [2], "seen running on this host at the commit: a hang"
+        assert [(s["iter"], s["value"]) for s in d["steps"]] == [(0, 10.0), (1, 7.0), (2, 7.0)]
+    # Detected by the heartbeat (timeout 2 s), not by a library timeout of minutes.
+    assert max(detection_latencies(res)) < 10.0
+
+
+def test_failure_watch_notices_while_computing(tmp_path: Path) -> None:
+    """A rank busy outside MPI learns of a peer's death from the watch thread, before its next MPI call."""
+    res = run_worker(
+        tmp_path, 4, "--tp", "2", "--replicas", "2", "--kill", "3:1", "--watch", "--compute-s", "1.5"
+    )
+    assert_left(res, 2, {1})
+    killed_at = res[3]["killed_at"]
+    for r in (0, 1):
+        noticed = res[r]["noticed"]
+        # First the killed rank; later its replica peer, which leaves after the recovery.
+        assert [n["ranks"] for n in noticed] == [[3], [2]]
+        # Noticed while still in the 1.5 s of "compute" that followed the kill.
+        assert noticed[0]["time"] - killed_at < 1.5

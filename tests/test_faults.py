@@ -7,8 +7,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from nanotron_recover.config import FaultSpec, RandomFaults, RecoverArgs
-from nanotron_recover.ft.faults import FaultInjector, read_deaths
+from nanotron_recover.ft.faults import FaultInjector, InjectedError, read_deaths
+from nanotron_recover.ft.records import write_record
 
 
 def test_explicit_faults_by_replica_and_rank(tmp_path):
@@ -66,5 +69,26 @@ def test_a_fault_fires_once_per_run(tmp_path):
     args = RecoverArgs(enabled=True, faults=[FaultSpec(step=2, replica=0, phase="forward")])
     inj = FaultInjector(args, 0, 0, tmp_path)
     inj.begin_step(2, [0, 1])
-    inj._record_death(inj.current[0])  # what the first incarnation left before its SIGKILL
+    # What the first incarnation left before its SIGKILL:
+    write_record(tmp_path, "step2_forward0_rank0", {"rank": 0, "replica": 0, "step": 2, "kind": "crash"})
     inj.maybe_fail("forward", 0)  # returns: already fired
+
+
+def test_injected_error_is_transient_or_persistent(tmp_path):
+    """``kind: error`` raises in whoever computes the id: once, or every time with ``persistent``."""
+    once = RecoverArgs(enabled=True, faults=[FaultSpec(step=3, kind="error", id=21)])
+    inj = FaultInjector(once, 0, 0, tmp_path / "once")
+    inj.begin_step(3, [0, 1])
+    inj.maybe_raise(20)  # another id: nothing
+    with pytest.raises(InjectedError, match="micro-batch 21"):
+        inj.maybe_raise(21)
+    other_replica = FaultInjector(once, 2, 1, tmp_path / "once")
+    other_replica.begin_step(3, [0, 1])
+    other_replica.maybe_raise(21)  # transient: already struck once in this run
+    always = RecoverArgs(enabled=True, faults=[FaultSpec(step=3, kind="error", id=21, persistent=True)])
+    for rank, replica in ((0, 0), (2, 1)):
+        inj = FaultInjector(always, rank, replica, tmp_path / "always")
+        inj.begin_step(3, [0, 1])
+        with pytest.raises(InjectedError):
+            inj.maybe_raise(21)
+        inj.maybe_fail("forward", 0)  # an error fault never kills anyone by itself

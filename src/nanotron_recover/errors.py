@@ -1,5 +1,56 @@
-"""Errors in what the user gave us (config, files, command line): reported as one line, exit 2."""
+"""Errors that end a run on purpose, and the exit status each one gives.
+
+Two families:
+
+- :class:`InputError`: bad user input (config, files, command line), found before or after start-up.
+  Reported as one line, exit status 2.
+- :class:`StopRun`: the job must stop as a whole, once, because going on cannot help: a full disk,
+  an unreadable file, the same exception again on the same micro-batch ids, too few replicas left.
+  Such a fault is not a replica failure, so it is never "repaired" by killing replicas one by one.
+
+The exit status tells the truth (see :class:`ExitCode`): 0 only when every requested step was
+committed.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """Exit statuses of ``train`` and ``launch`` (also recorded in ``<run_dir>/outcome.json``)."""
+
+    OK = 0  # every requested step committed
+    FAILED = 1  # the run died without saying why (every replica lost, a crash of the launcher...)
+    INPUT = 2  # bad input: config, corpus, checkpoint, tokenizer
+    TOO_FEW_REPLICAS = 3  # recover.min_replicas reached: the last committed step is checkpointed
+    DETERMINISTIC = 4  # the same exception again on the same micro-batch ids on another replica
+    IO = 5  # a full disk or an unwritable/unreadable path during the run
 
 
 class InputError(ValueError):
     """Bad user input; the message says what is wrong and what to change."""
+
+
+# The kinds a StopRun can have, with their exit status. The names double as incident kinds.
+STOP_KINDS: dict[str, ExitCode] = {
+    "input": ExitCode.INPUT,
+    "too_few_replicas": ExitCode.TOO_FEW_REPLICAS,
+    "deterministic": ExitCode.DETERMINISTIC,
+    "io": ExitCode.IO,
+}
+
+
+class StopRun(RuntimeError):
+    """Stop the whole job once, with one line naming the cause and a non-zero status."""
+
+    def __init__(self, kind: str, message: str):
+        if kind not in STOP_KINDS:
+            raise ValueError(f"unknown stop kind {kind!r}")
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return STOP_KINDS[self.kind]

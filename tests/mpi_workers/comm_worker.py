@@ -4,13 +4,16 @@ Run under ``mpirun --with-ft ulfm``. Every rank writes ``<out>/rank<r>.json`` wi
 what it saw; the pytest side asserts on those files. Each iteration is one "step":
 
 1. a rank listed in ``--kill RANK:ITER`` SIGKILLs itself at the start of ITER
-   (after writing a file with the wall-clock time of the kill);
+   (after writing a file with the wall-clock time of the kill); one listed in
+   ``--freeze RANK:ITER`` SIGSTOPs itself there instead (the heartbeat detector
+   must find it; run with the detector's MCA parameters);
 2. ``buf = [replica + 1] * k`` (the "snapshot"), ``allreduce_(buf, epoch)``, ``agree(True)``;
 3. on ``WorldChanged`` the step is redone from the snapshot in the new epoch.
 
 ``--kill-in-recover RANK:POINT`` makes RANK SIGKILL itself when its first recovery
 reaches POINT (a ``FaultTolerantComm`` fault-hook point name). A rank that is told
-to leave records the ``RecoveryResult`` from the ``on_leave`` hook, then dies.
+to leave records the ``RecoveryResult`` from the ``on_leave`` hook, then dies. ``--watch`` starts the
+failure watch and records every failure it reports, with its wall-clock time.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--k", type=int, default=16, help="elements per reduction")
     ap.add_argument("--kill", action="append", default=[], help="RANK:ITER")
+    ap.add_argument("--freeze", action="append", default=[], help="RANK:ITER")
+    ap.add_argument("--watch", action="store_true", help="record what the failure watch reports")
+    ap.add_argument("--compute-s", type=float, default=0.0, help="busy non-MPI work before each step")
     ap.add_argument("--kill-in-recover", action="append", default=[], help="RANK:POINT")
     ap.add_argument("--manual-recover", action="append", default=[], help="RANK:ITER")
     ap.add_argument("--step-deadline", type=float, default=60.0)
@@ -72,6 +78,7 @@ def main() -> None:
 
     rank = MPI.COMM_WORLD.Get_rank()
     kill_iter = {r: int(it) for r, it in _pairs(args.kill).items()}
+    freeze_iter = {r: int(it) for r, it in _pairs(args.freeze).items()}
     kill_point = _pairs(args.kill_in_recover).get(rank)
     manual_iter = {r: int(it) for r, it in _pairs(args.manual_recover).items()}
     record: dict[str, Any] = {"rank": rank, "pid": os.getpid()}
@@ -86,8 +93,18 @@ def main() -> None:
         record.update(left=True, leave_result=result.as_dict(), left_at=time.time())
         _write(args.out, rank, record)
 
+    noticed: list[dict[str, Any]] = []
+
+    def on_notice(ranks: list[int], when: float) -> None:
+        noticed.append({"ranks": ranks, "time": when})
+
     comm = FaultTolerantComm(
-        args.tp, args.pp, args.replicas, on_leave=on_leave, fault_hook=fault_hook if kill_point else None
+        args.tp,
+        args.pp,
+        args.replicas,
+        on_leave=on_leave,
+        fault_hook=fault_hook if kill_point else None,
+        on_failure_notice=on_notice if args.watch else None,
     )
     topo = Topology(tp=args.tp, pp=args.pp, n_replicas=args.replicas)
     c = topo.coords(rank)
@@ -115,6 +132,15 @@ def main() -> None:
                 record.update(killed=True, killed_at=time.time(), killed_iter=it)
                 _write(args.out, rank, record)
                 os.kill(os.getpid(), signal.SIGKILL)
+            if freeze_iter.get(rank) == it:
+                record.update(frozen=True, killed_at=time.time(), killed_iter=it)
+                _write(args.out, rank, record)
+                os.kill(os.getpid(), signal.SIGSTOP)
+                record.update(woke=True)  # only if nobody removed this process while it slept
+                _write(args.out, rank, record)
+            end = time.perf_counter() + args.compute_s
+            while time.perf_counter() < end:  # "compute": no MPI call, the watch must still notice
+                pass
             if manual_iter.get(rank) == it:
                 # A recovery without any failure: everyone must follow into a new epoch.
                 changes.append({"iter": it, **comm.recover().as_dict()})
@@ -126,7 +152,7 @@ def main() -> None:
                 try:
                     with watchdog.phase(f"iter {it} attempt {attempts}", args.step_deadline):
                         comm.allreduce_(buf, epoch)
-                        committed = comm.agree(True)
+                        committed, _ = comm.agree(True)
                 except WorldChanged as wc:
                     changes.append({"iter": it, **wc.result.as_dict()})
                     # A reduction tagged with the old epoch must be refused, not silently run.
@@ -155,7 +181,9 @@ def main() -> None:
             comm.allreduce_(t, comm.epoch)
             record["torch_value"] = t.tolist()
         # Agree is a logical AND: one False vote must give False everywhere.
-        record["agree_and"] = comm.agree(comm.dp_rank != 0)
+        record["agree_and"], _ = comm.agree(comm.dp_rank != 0)
+        # Stop requests are an OR: each replica sets its own bit, everyone gets them all.
+        record["stop_or"] = comm.agree(True, stop=1 << (comm.replica % 8))[1]
     except TooFewReplicas as exc:
         record.update(too_few=True, too_few_result=exc.result.as_dict())
         _write(args.out, rank, record)
@@ -174,11 +202,15 @@ def main() -> None:
         dp_members=comm.dp_comm.allgather(rank),
         replica_members=comm.replica_comm.allgather(rank),
         global_size=comm.global_comm.Get_size(),
+        noticed=noticed,
         done=True,
     )
     comm.close()
     _write(args.out, rank, record)
     sys.stdout.flush()
+    # Leave without MPI_Finalize, as the trainer does: with the heartbeat detector on, Finalize in a
+    # world that lost a process can wait forever (seen here with Open MPI 5.0.11).
+    os._exit(0)
 
 
 if __name__ == "__main__":

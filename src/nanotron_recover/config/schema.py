@@ -197,15 +197,22 @@ class TokenizerArgs:
     tokenizer_max_length: int | None = None
 
 
-Phase = Literal["forward", "backward", "gate", "reduce", "optimizer", "recovery"]
+Phase = Literal["forward", "backward", "gate", "reduce", "optimizer", "recovery", "save"]
 
 
 @dataclass
 class FaultSpec:
-    """Kill one replica (all its ranks die with it) or one rank at an exact point of a step.
+    """A fault injected at an exact point of a step.
 
-    ``microbatch`` is the index, within what the victim computes in that phase, of the micro-batch
-    (forward/backward/recovery) or bucket (reduce) before which it dies.
+    ``kind: kill`` (default) SIGKILLs one replica (all its ranks) or one rank; ``kind: freeze``
+    SIGSTOPs it instead (how a hung GPU or a stuck collective looks from outside). ``microbatch`` is
+    the index, within what the victim computes in that phase, of the micro-batch
+    (forward/backward/recovery) or bucket (reduce) before which it fires; ``phase: save`` fires while
+    the victim writes its checkpoint files.
+
+    ``kind: error`` raises an exception in whichever replica computes the micro-batch ``id`` (a
+    global micro-batch id) of ``step``; ``persistent: true`` raises it every time (a deterministic
+    error, e.g. a bad sample), otherwise only the first time (a transient, hardware-like error).
     """
 
     step: int
@@ -213,6 +220,9 @@ class FaultSpec:
     replica: int | None = None
     rank: int | None = None
     microbatch: int = 0
+    kind: Literal["kill", "freeze", "error"] = "kill"
+    id: int | None = None
+    persistent: bool = False
 
 
 @dataclass
@@ -245,8 +255,15 @@ class RecoverArgs:
     spares: Literal["shadow", "off"] = "shadow"
     # Below this many alive replicas the survivors checkpoint and stop.
     min_replicas: int = 1
-    # Per-phase deadline after which a hung rank kills itself (null disables the watchdog).
+    # Deadline of every phase only this replica can see (compute, gate, optimizer, its own
+    # reductions, checkpoint save); when one passes, the stuck replica leaves (null disables it).
+    # Waits on other replicas are never under it: those belong to the heartbeat detector.
     watchdog_timeout_s: float | None = 600.0
+    # ULFM's heartbeat failure detector: every rank sends a heartbeat every period; a rank silent
+    # for the timeout is declared failed (a frozen process, node or network), and the others
+    # shrink past it. Short values catch hangs sooner at the risk of declaring a busy rank dead.
+    heartbeat_period_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0
     # Replica-consistency gate: barrier in the replica's torch world before cross-replica traffic.
     gate_timeout_s: float = 120.0
     faults: list[FaultSpec] = field(default_factory=list)

@@ -23,7 +23,10 @@ Protocol of a step, as seen from here
    (DP communicator only; nothing touches the global communicator).
 2. The caller commits the step with :meth:`FaultTolerantComm.agree`, exactly one
    ``MPI_Comm_agree`` on the global communicator per step. The agreed value is
-   the bitwise AND of ``flag | NO_RECOVERY`` over the survivors.
+   the bitwise AND of ``flag | NO_RECOVERY | ~stop`` over the survivors: besides
+   committing, the agree carries *stop requests*. A rank that must stop the job
+   (a full disk, a deterministic error) clears its stop bit, and every survivor
+   learns it from the same agree, so the whole job stops together, once.
 3. The step commits iff ``agree`` returns True *without* raising. ULFM's agree is
    uniform even with failures: either every survivor gets the same value, or
    every survivor gets ``MPI_ERR_PROC_FAILED`` (we never acknowledge failures
@@ -72,9 +75,11 @@ reports that some rank is recovering, or when the caller asks for it.
       against the *pre-recovery* world, so they only grow.
 
 4. After the commit, leavers call the ``on_leave`` hook and :func:`fail_stop`
-   (SIGKILL; a non-zero exit would not be reported, see DESIGN.md section 4).
+   (SIGKILL; a non-zero exit would not be reported, see docs/architecture.md).
    Survivors free the old communicators, install the new ones and bump
-   ``epoch`` by one. Every survivor took part in the same committed round, so
+   ``epoch`` by one. A failed rank whose process still runs on a survivor's
+   host (frozen: the heartbeat detector declared it) is SIGKILLed there
+   (:mod:`.processes`), so it never wakes up into a world that moved on. Every survivor took part in the same committed round, so
    they all hold the same epoch and alive set. If no replica is left, every rank
    raises :class:`TooFewReplicas` instead.
 
@@ -84,11 +89,16 @@ that step's reductions or agree).
 
 Liveness assumption: every alive rank reaches ``allreduce_``, ``agree`` or
 ``recover`` in bounded time (one global agree per step, matched one-to-one
-across ranks). A rank stuck elsewhere -- e.g. in its replica's torch world,
-waiting for a dead TP peer -- must turn that into a fail-stop (the replica gate's
-timeout or the :class:`~.failstop.Watchdog`), which the others then recover from.
-A rank whose replica peer died may also simply :func:`fail_stop` itself: that is
-just one more failed rank of an already failed replica.
+across ranks), or fails. Three mechanisms make that true:
+
+- a rank that *stops responding* (frozen, or a node gone silent) is declared
+  failed by ULFM's heartbeat detector (:mod:`.heartbeat`): nobody waits on another
+  replica longer than the heartbeat timeout, and nobody kills itself for it;
+- a rank stuck in its own replica's torch world, waiting for a TP/PP peer that
+  failed, learns of the failure from the :class:`~.watch.FailureWatch` thread and
+  leaves (``on_failure_notice``): its replica is lost anyway;
+- a rank stuck in local work (a hung kernel, a save that never ends) is ended by
+  its :class:`~.failstop.Watchdog`, whose deadlines cover only local phases.
 
 Importing this module defaults ``OMPI_MCA_async_mpi_finalize=1`` (see below):
 without it the survivors' ``MPI_Finalize`` can hang on a dead rank at exit.
@@ -105,6 +115,10 @@ from typing import Any
 
 import numpy as np
 
+from .failstop import fail_stop
+from .processes import ProcessInfo, reap, this_process
+from .topology import RankCoords, Topology
+
 # Skip the PMIx fence in MPI_Finalize. Seen here with Open MPI 5.0.11 + ULFM: after a
 # rank was SIGKILLed, the survivors' MPI_Finalize waited on the dead rank in that fence
 # in 20-40% of runs, forever (usleep loop in ompi_mpi_finalize); with the fence off,
@@ -113,10 +127,14 @@ import numpy as np
 # (i.e. before mpi4py.MPI is first imported); setdefault keeps a launcher's choice.
 os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
 
-from mpi4py import MPI  # noqa: E402  (must come after the MCA default above)
+import mpi4py  # noqa: E402
 
-from .failstop import fail_stop
-from .topology import RankCoords, Topology
+# No MPI_Finalize at interpreter exit: with the heartbeat detector on it blocked even after a clean
+# run (Open MPI 5.0.11), and after a failure it can wait on the dead. Every rank ends with a
+# barrier of the survivors and an exit without Finalize, which mpirun reports cleanly.
+mpi4py.rc.finalize = False
+
+from mpi4py import MPI  # noqa: E402  (must come after the MCA default above)
 
 # Error classes that mean "the world changed" (vs. a programming error).
 FAULT_ERROR_CLASSES: frozenset[int] = frozenset(
@@ -124,9 +142,13 @@ FAULT_ERROR_CLASSES: frozenset[int] = frozenset(
 )
 
 # Bits of the step agree. The agree is a bitwise AND, so a single rank that clears
-# NO_RECOVERY (the entry agree of a recovering rank contributes 0) pulls everyone in.
+# NO_RECOVERY (the entry agree of a recovering rank contributes 0) pulls everyone in, and a single
+# rank that clears a stop bit stops everyone. Stop requests are small non-negative ints whose bits
+# live above _STOP_SHIFT.
 _FLAG = 0x1
 _NO_RECOVERY = 0x2
+_STOP_SHIFT = 2
+_STOP_BITS = 0xFF
 
 # A shrink that keeps raising is not a failure we can recover from by retrying.
 _MAX_SHRINK_ATTEMPTS = 64
@@ -162,6 +184,10 @@ class RecoveryResult:
     recover_s: float  # entering recovery -> commit
     rounds: int  # shrink/split/commit rounds (1 unless something failed during recovery)
     left: bool = False  # True on a rank that leaves (only ever seen by on_leave)
+    # Failed ranks whose process still ran on this host at the commit (frozen: now SIGKILLed), and
+    # failed ranks on other hosts, which this rank cannot see.
+    hung_ranks: tuple[int, ...] = ()
+    unseen_ranks: tuple[int, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
@@ -246,6 +272,9 @@ class FaultTolerantComm:
         fault_hook: test-only fault injection; called with a point name
             (``"recover:enter"``, ``"recover:revoked"``, ``"recover:shrunk"``,
             ``"recover:split"``, ``"recover:committed"``) during recovery.
+        on_failure_notice: if given, a :class:`~.watch.FailureWatch` thread calls it
+            with ``(newly failed initial ranks, wall time)`` as soon as this process
+            learns of a failure, even while it computes outside MPI.
 
     Construction is collective over ``comm`` and is not itself fault tolerant:
     a failure before the first epoch exists is a failed launch.
@@ -260,6 +289,7 @@ class FaultTolerantComm:
         *,
         on_leave: Callable[[RecoveryResult], None] | None = None,
         fault_hook: Callable[[str], None] | None = None,
+        on_failure_notice: Callable[[list[int], float], None] | None = None,
     ) -> None:
         base = MPI.COMM_WORLD if comm is None else comm
         self.topology = Topology(tp=tp, pp=pp, n_replicas=n_replicas)
@@ -283,6 +313,17 @@ class FaultTolerantComm:
         self._alive_replicas: list[int] = list(range(n_replicas))
         self._alive_ranks: list[int] = list(range(self.topology.world_size))
         self._closed = False
+        # Who is who: (host, pid) of every rank, to tell a hung failed rank from a crashed one
+        # and to remove it for good.
+        self.processes: list[ProcessInfo] = self._global.allgather(this_process(self.coords.rank))
+        # True while this rank is inside allreduce_/agree/recover: MPI itself will tell it about
+        # failures then, so the failure watch leaves it alone.
+        self.in_ft_operation = False
+        self._watch = None
+        if on_failure_notice is not None:
+            from .watch import FailureWatch
+
+            self._watch = FailureWatch(base, on_failure_notice)
 
     # ----------------------------------------------------------------- accessors
     @property
@@ -357,6 +398,7 @@ class FaultTolerantComm:
             raise StaleEpoch(epoch, self._epoch)
         arr = _as_numpy(buf)
         t0 = time.perf_counter()
+        self.in_ft_operation = True
         try:
             self._dp_comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM)
         except MPI.Exception as exc:
@@ -364,29 +406,38 @@ class FaultTolerantComm:
                 raise
             result = self._recover("allreduce", detect_s=time.perf_counter() - t0, entry_agree=True)
             raise WorldChanged(result) from exc
+        finally:
+            self.in_ft_operation = False
 
-    def agree(self, flag: bool) -> bool:
-        """The commit point of a step: logical AND of ``flag`` over the survivors.
+    def agree(self, flag: bool, stop: int = 0) -> tuple[bool, int]:
+        """The commit point of a step: logical AND of ``flag``, and OR of ``stop``, over the survivors.
 
-        Returns the agreed value only if no rank failed and no rank is recovering;
-        otherwise runs :meth:`recover` on every survivor and raises
-        :class:`WorldChanged` (uniformly: either all survivors return the same
-        value or all raise).
+        ``stop`` is a small bit set (0..255) of stop requests: any bit one rank sets, every
+        survivor gets back. Returns ``(flag, stop)`` only if no rank failed and no rank is
+        recovering; otherwise runs :meth:`recover` on every survivor and raises
+        :class:`WorldChanged` (uniformly: either all survivors return the same value or all raise).
         """
         self._check_open()
+        if not 0 <= stop <= _STOP_BITS:
+            raise ValueError(f"stop bits must be in 0..{_STOP_BITS}, got {stop}")
         t0 = time.perf_counter()
+        self.in_ft_operation = True
         try:
-            value = self._global.Agree((_FLAG if flag else 0) | _NO_RECOVERY)
-        except MPI.Exception as exc:
-            if not is_fault(exc):
-                raise
-            value = 0  # failure seen by the agree itself: uniform across survivors
-        if not value & _NO_RECOVERY:
-            # Either the agree failed, or some rank's entry agree (which contributes 0)
-            # matched ours: it is already past its revokes and waits for us in the rounds.
-            result = self._recover("agree", detect_s=time.perf_counter() - t0, entry_agree=False)
-            raise WorldChanged(result)
-        return bool(value & _FLAG)
+            mine = (_FLAG if flag else 0) | _NO_RECOVERY | ((_STOP_BITS & ~stop) << _STOP_SHIFT)
+            try:
+                value = self._global.Agree(mine)
+            except MPI.Exception as exc:
+                if not is_fault(exc):
+                    raise
+                value = 0  # failure seen by the agree itself: uniform across survivors
+            if not value & _NO_RECOVERY:
+                # Either the agree failed, or some rank's entry agree (which contributes 0)
+                # matched ours: it is already past its revokes and waits for us in the rounds.
+                result = self._recover("agree", detect_s=time.perf_counter() - t0, entry_agree=False)
+                raise WorldChanged(result)
+        finally:
+            self.in_ft_operation = False
+        return bool(value & _FLAG), _STOP_BITS & ~(value >> _STOP_SHIFT)
 
     def recover(self) -> RecoveryResult:
         """Move every survivor to a new world without the failed replicas (see module docstring).
@@ -396,10 +447,24 @@ class FaultTolerantComm:
         raises :class:`TooFewReplicas` if no replica is left.
         """
         self._check_open()
-        return self._recover("manual", detect_s=0.0, entry_agree=True)
+        self.in_ft_operation = True
+        try:
+            return self._recover("manual", detect_s=0.0, entry_agree=True)
+        finally:
+            self.in_ft_operation = False
+
+    def barrier(self) -> None:
+        """A barrier over the current world's survivors; raises ``MPI.Exception`` on a failure."""
+        self._global.Barrier()
+
+    def stop_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
 
     def close(self) -> None:
         """Free the owned communicators (end of job). Idempotent."""
+        self.stop_watch()
         if self._closed:
             return
         self._closed = True
@@ -520,11 +585,21 @@ class FaultTolerantComm:
             cur = shrunk
 
         survivors = [r for r in alive_ranks if self.topology.replica_of(r) in set(alive_replicas)]
+        failed_ranks = sorted(prev_ranks - set(alive_ranks))
+        hung, unseen = [], []
+        if not leaving:
+            # Remove a failed rank that still runs here for good (see module docstring).
+            for r in failed_ranks:
+                running = reap(self.processes[r])
+                if running is None:
+                    unseen.append(r)
+                elif running:
+                    hung.append(r)
         result = RecoveryResult(
             old_epoch=old_epoch,
             new_epoch=old_epoch + 1,
             failed_replicas=tuple(r for r in prev_replicas if r not in complete),
-            failed_ranks=tuple(sorted(prev_ranks - set(alive_ranks))),
+            failed_ranks=tuple(failed_ranks),
             alive_replicas=tuple(alive_replicas),
             trigger=trigger,
             detect_s=detect_s,
@@ -534,15 +609,19 @@ class FaultTolerantComm:
             recover_s=time.perf_counter() - t_start,
             rounds=rounds,
             left=leaving,
+            hung_ranks=tuple(hung),
+            unseen_ranks=tuple(unseen),
         )
         self._hook("recover:committed")
 
         # 4. Leave, give up, or install the new world.
         if not alive_replicas:
             self._closed = True
+            self.stop_watch()
             raise TooFewReplicas(result)
         if leaving:
             self._closed = True
+            self.stop_watch()
             if self._on_leave is not None:
                 try:
                     self._on_leave(result)

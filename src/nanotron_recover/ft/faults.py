@@ -1,12 +1,15 @@
-"""Fault injection: a process SIGKILLs itself at an exact point of a step.
+"""Fault injection: a process SIGKILLs or SIGSTOPs itself, or raises, at an exact point of a step.
 
 The schedule comes from the config (``recover.faults`` and ``recover.random_faults``) and is known to
-every rank, so survivors can tell which fault they are recovering from. A replica fault kills every
-rank of the replica at the same point; a rank fault kills one rank, and its replica then fails as a
-whole (its other ranks leave during recovery). Before dying the victim writes the wall-clock time of
-its death to ``<run_dir>/faults/step<s>_<phase><i>_rank<r>.json`` so the survivors can measure
-detection latency. A fault fires once per run: a job relaunched by checkpoint-restart skips the
-faults whose record exists, even when it recomputes their step.
+every rank, so survivors can tell which fault they are recovering from. A replica fault hits every
+rank of the replica at the same point; a rank fault hits one rank, and its replica then fails as a
+whole (its other ranks leave during recovery). ``kind: kill`` dies by SIGKILL, ``kind: freeze``
+stops itself with SIGSTOP (a hang: the heartbeat detector must find it); before either, the victim
+writes a failure record (``ft/records.py``) with the wall-clock time, so the survivors can measure
+detection latency. ``kind: error`` raises :class:`InjectedError` in whichever replica computes the
+micro-batch ``id``: once (a transient error) or, with ``persistent``, every time (a deterministic
+one). A fault fires once per run: a job relaunched by checkpoint-restart skips the faults whose
+record exists, even when it recomputes their step.
 
 Random faults pick, every ``every_steps`` steps, one alive replica by a generator seeded with
 ``(seed, step)``, and kill it in the forward pass of its first micro-batch, until ``until_replicas``
@@ -15,14 +18,19 @@ are left. Every rank computes the same choice from the same alive set.
 
 from __future__ import annotations
 
-import json
+import os
 import random
-import time
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import FaultSpec, RecoverArgs
 from .failstop import fail_stop
+from .records import faults_dir, read_records, write_record
+
+
+class InjectedError(RuntimeError):
+    """The exception a ``kind: error`` fault raises while computing its micro-batch."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,9 @@ class ScheduledFault:
     microbatch: int
     replica: int | None
     rank: int | None
+    kind: str = "kill"
+    id: int | None = None
+    persistent: bool = False
 
 
 class FaultInjector:
@@ -47,7 +58,7 @@ class FaultInjector:
     def scheduled(self, step: int, alive: list[int]) -> list[ScheduledFault]:
         """Every fault planned for ``step`` (explicit ones, plus the random one if due)."""
         faults = [
-            ScheduledFault(f.step, f.phase, f.microbatch, f.replica, f.rank)
+            ScheduledFault(f.step, f.phase, f.microbatch, f.replica, f.rank, f.kind, f.id, f.persistent)
             for f in self.args.faults
             if f.step == step
         ]
@@ -58,48 +69,49 @@ class FaultInjector:
         return faults
 
     def is_victim(self, fault: ScheduledFault | FaultSpec) -> bool:
+        if fault.kind == "error":
+            return False  # hits whoever computes its micro-batch id, see maybe_raise
         return fault.rank == self.rank if fault.rank is not None else fault.replica == self.replica
 
     def maybe_fail(self, phase: str, index: int = 0) -> None:
-        """Die here if a fault is scheduled for this rank at (current step, ``phase``, ``index``)."""
+        """Die (or freeze) here if a fault is scheduled for this rank at (current step, ``phase``,
+        ``index``)."""
         for fault in self.current:
             if fault.phase == phase and fault.microbatch == index and self.is_victim(fault):
-                if self._record_path(fault).exists():
+                name = self._record_name(fault)
+                if (faults_dir(self.run_dir) / f"{name}.json").exists():
                     continue  # fired in an earlier incarnation of this job
-                self._record_death(fault)
-                fail_stop(
-                    f"injected fault: rank {self.rank} (replica {self.replica}) at step {self.step} {phase} #{index}"
-                )
+                kind = "hang" if fault.kind == "freeze" else "crash"
+                record = {"rank": self.rank, "replica": self.replica, "step": fault.step}
+                write_record(self.run_dir, name, {**record, "phase": phase, "kind": kind, "injected": True})
+                where = f"rank {self.rank} (replica {self.replica}) at step {self.step} {phase} #{index}"
+                if fault.kind == "freeze":
+                    print(f"[injected freeze pid={os.getpid()}] {where}", flush=True)
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                    # Woken up: this process was removed from the job while it slept; it must not
+                    # act on a world that has moved on.
+                    fail_stop(f"injected freeze: {where}: woken up after removal")
+                fail_stop(f"injected fault: {where}")
 
-    def _record_path(self, fault: ScheduledFault) -> Path:
-        return (
-            self.run_dir / "faults" / f"step{fault.step}_{fault.phase}{fault.microbatch}_rank{self.rank}.json"
-        )
+    def maybe_raise(self, microbatch_id: int) -> None:
+        """Raise :class:`InjectedError` if a ``kind: error`` fault targets ``microbatch_id`` now."""
+        for fault in self.current:
+            if fault.kind != "error" or fault.id != microbatch_id:
+                continue
+            if not fault.persistent:
+                fired = faults_dir(self.run_dir) / f"step{fault.step}_error_id{fault.id}.fired"
+                try:
+                    fired.parent.mkdir(parents=True, exist_ok=True)
+                    os.close(os.open(fired, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                except FileExistsError:
+                    continue  # a transient error strikes once
+            raise InjectedError(f"injected error on micro-batch {microbatch_id}")
 
-    def _record_death(self, fault: ScheduledFault) -> None:
-        path = self._record_path(fault)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        record = {
-            "rank": self.rank,
-            "replica": self.replica,
-            "step": fault.step,
-            "phase": fault.phase,
-            "time": time.time(),
-        }
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        tmp.replace(path)
+    def _record_name(self, fault: ScheduledFault) -> str:
+        return f"step{fault.step}_{fault.phase}{fault.microbatch}_rank{self.rank}"
 
 
 def read_deaths(run_dir: Path, ranks: list[int] | None = None, since: float = 0.0) -> list[dict]:
-    """Death records left by injected victims (all, or those among ``ranks``) that died at or after
-    ``since`` (wall clock), oldest first; empty for real faults."""
-    out = []
-    for f in sorted((run_dir / "faults").glob("step*_rank*.json")):
-        try:
-            record = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        if (ranks is None or record["rank"] in ranks) and record["time"] >= since:
-            out.append(record)
-    return sorted(out, key=lambda r: r["time"])
+    """Failure records (all, or those of ``ranks``) written at or after ``since`` (wall clock),
+    oldest first; empty for faults that struck from outside."""
+    return read_records(run_dir, ranks, since)

@@ -1,0 +1,75 @@
+"""Which process is each rank, and removing a failed one from the job for good.
+
+At start-up every rank publishes ``(host, pid, start time)`` (an allgather over the launch
+communicator). After a recovery commits, the survivors know the failed ranks; a failed rank whose
+process still exists on a survivor's host is *hung* (frozen, stuck in the kernel or in a driver),
+not crashed. It is SIGKILLed right away: it must never wake up and act on a world that has moved
+on, and it must not keep ``mpirun`` (or the Slurm job) alive after the others finish. A failed
+process on a host with no survivor is left to the launcher, which ends ``mpirun`` once the run has
+completed.
+
+The start time (field 22 of ``/proc/<pid>/stat``) guards against a recycled pid.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    rank: int
+    host: str
+    pid: int
+    start_ticks: int | None  # /proc/<pid>/stat field 22 (None where /proc is missing)
+
+    def as_dict(self) -> dict:
+        return {"rank": self.rank, "host": self.host, "pid": self.pid}
+
+
+def _start_ticks(pid: int) -> int | None:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces: split after its closing parenthesis.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[19])
+
+
+def _state(pid: int) -> str | None:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()[0]
+
+
+def this_process(rank: int) -> ProcessInfo:
+    pid = os.getpid()
+    return ProcessInfo(rank=rank, host=socket.gethostname(), pid=pid, start_ticks=_start_ticks(pid))
+
+
+def still_running(info: ProcessInfo) -> bool | None:
+    """True/False if ``info``'s process is on this host (a zombie counts as gone); None if it is not."""
+    if info.host != socket.gethostname():
+        return None
+    state = _state(info.pid)
+    if state is None or state in ("Z", "X"):
+        return False
+    return info.start_ticks is None or _start_ticks(info.pid) == info.start_ticks
+
+
+def reap(info: ProcessInfo) -> bool | None:
+    """SIGKILL ``info``'s process if it still runs on this host. Returns whether it was running
+    (None: another host, nothing done)."""
+    running = still_running(info)
+    if running:
+        try:
+            os.kill(info.pid, signal.SIGKILL)
+        except OSError:
+            pass  # gone between the check and the kill
+    return running

@@ -1,0 +1,84 @@
+"""Failure records: what a rank knew about its own end, left where the survivors can read it.
+
+A rank that leaves the job for a reason it knows -- an injected fault, a phase that outlived its
+watchdog deadline, an exception while computing micro-batches, a peer error in its replica's torch
+world -- writes one small JSON record to ``<run_dir>/faults/`` *before* it dies. The survivors read
+the records of the ranks that failed when they log the incident: the record gives the failure's
+``kind``, the phase and the wall-clock time of the failure (so detection latency is measured from
+the real moment of failure), and for an exception the micro-batch ids and the error, which is how a
+deterministic error is told from a transient one (see ``recovery/transaction.py``).
+
+A rank killed from outside leaves no record; the survivors then classify the failure themselves
+(``crash`` or ``hang``, see ``ft/processes.py``).
+
+Kinds: ``crash`` (the process is gone), ``hang`` (frozen or past a deadline), ``peer_error`` (a
+gloo/NCCL error inside the replica), ``oom``, ``io``, ``error`` (an exception not yet known to be
+deterministic), ``deterministic`` (the same exception again on the same micro-batch ids in another
+replica). Records need ``run_dir`` on a filesystem that every node sees, as checkpoints do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+KINDS = ("crash", "hang", "peer_error", "oom", "io", "error", "deterministic")
+# Kinds that stop the job instead of being repaired forward: redoing the work elsewhere cannot help.
+STOP_KINDS = ("io", "deterministic")
+
+
+def faults_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "faults"
+
+
+def write_record(run_dir: str | Path, name: str, record: dict[str, Any]) -> None:
+    """Write ``faults/<name>.json`` atomically; best effort (a full disk must not keep a rank alive)."""
+    if record.get("kind") not in KINDS:
+        raise ValueError(f"unknown failure kind {record.get('kind')!r}")
+    record = {"time": time.time(), **record}
+    path = faults_dir(run_dir) / f"{name}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def read_records(run_dir: str | Path, ranks: list[int] | None = None, since: float = 0.0) -> list[dict]:
+    """Records of ranks among ``ranks`` (all if None) written at or after ``since``, oldest first."""
+    out = []
+    for f in sorted(faults_dir(run_dir).glob("step*_rank*.json")):
+        try:
+            record = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if (ranks is None or record.get("rank") in ranks) and record.get("time", 0.0) >= since:
+            out.append(record)
+    return sorted(out, key=lambda r: r["time"])
+
+
+def announce_once(run_dir: str | Path, key: str, line: str, fallback: bool = True) -> bool:
+    """Print ``line`` to stderr unless another rank already announced ``key`` for this run.
+
+    Several ranks often meet the same cause at once (every TP rank of a replica fails on the same
+    bad sample); the user should read it once. When the marker cannot be written (a full disk),
+    only callers with ``fallback`` print.
+    """
+    marker = faults_dir(run_dir) / f"announced-{key}"
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        if not fallback:
+            return False
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
+    return True

@@ -1,0 +1,91 @@
+"""FailureWatch: learn of a failure anywhere in the job while this rank is busy outside MPI.
+
+A rank computing, or waiting in its replica's torch world (a TP all-reduce, a pipeline receive, the
+replica gate), makes no MPI call, so MPI cannot tell it that a process failed. That matters when the
+failed process is a member of *its own replica*: a frozen TP peer keeps it waiting in gloo or NCCL
+until that library's timeout, while every other replica waits in the recovery's ``Shrink`` for it.
+
+The watch is a daemon thread holding one receive from ``MPI.ANY_SOURCE`` on a private duplicate of
+the launch communicator, which nobody ever sends to. ULFM completes such a receive with
+``MPI_ERR_PROC_FAILED_PENDING`` as soon as this process learns that any member of the communicator
+failed (from the runtime for a crash, from the heartbeat detector for a freeze). The thread then
+reads the failed group (``MPI_Comm_get_failed``), acknowledges it so the next receive waits for
+*new* failures only, reports the newly failed initial ranks to a callback, and posts a new
+receive. It polls with ``Test`` every ``poll_s`` (MPI is initialized with ``MPI_THREAD_MULTIPLE``).
+
+The callback decides what to do; the transaction's rule is: if a member of my replica failed and
+I am not inside a fault-tolerant MPI operation (which would learn it itself), my replica is lost,
+so leave now instead of waiting for a library timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from mpi4py import MPI
+
+_TAG = 0x7A7C  # never sent by anyone
+
+
+class FailureWatch:
+    def __init__(
+        self,
+        base: MPI.Comm,
+        on_failure: Callable[[list[int], float], None],
+        poll_s: float = 0.05,
+    ) -> None:
+        self._comm = base.Dup()
+        self._comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self._group = self._comm.Get_group()
+        self._on_failure = on_failure
+        self._poll_s = poll_s
+        self._known: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ft-failure-watch", daemon=True)
+        self._thread.start()
+
+    @property
+    def known_failed(self) -> set[int]:
+        """Initial ranks this watch has seen fail."""
+        return set(self._known)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+
+    def _failed_now(self) -> set[int]:
+        failed = self._comm.Get_failed()
+        try:
+            ranks = failed.Translate_ranks(list(range(failed.Get_size())), self._group)
+        finally:
+            failed.Free()
+        return {int(r) for r in ranks if r != MPI.UNDEFINED}
+
+    def _run(self) -> None:
+        buf = bytearray(1)
+        request = self._comm.Irecv(buf, source=MPI.ANY_SOURCE, tag=_TAG)
+        while not self._stop.is_set():
+            try:
+                request.Test()
+            except MPI.Exception:
+                noticed = time.time()
+                try:
+                    failed = self._failed_now()
+                    self._comm.Ack_failed()
+                except MPI.Exception:
+                    failed = set()
+                new = sorted(failed - self._known)
+                self._known |= failed
+                if new:
+                    try:
+                        self._on_failure(new, noticed)
+                    except Exception:
+                        pass  # a failing callback must not stop the watch
+                try:
+                    request = self._comm.Irecv(buf, source=MPI.ANY_SOURCE, tag=_TAG)
+                except MPI.Exception:
+                    return
+                continue
+            self._stop.wait(self._poll_s)

@@ -1,0 +1,83 @@
+"""``<run_dir>/outcome.json``: how a run ended, written once by the run itself.
+
+The launcher (``launch``, the Slurm job) decides its exit status from this record, not from
+``mpirun``'s: with ULFM, ranks that leave by SIGKILL, or a job whose every replica died, can leave
+``mpirun`` with status 0. No record (or a stale one from an earlier launch, which the launcher
+clears before it starts) means the run died without a word: a failure.
+
+Keys: ``status`` (``completed`` | ``stopped``), ``last_step`` (last committed step),
+``target_step`` (the step the run was asked to reach), ``kind`` (null, or a
+:data:`~.errors.STOP_KINDS` name), ``message`` (one line), ``exit_code``, ``time``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .errors import ExitCode
+
+FILENAME = "outcome.json"
+
+
+def write_outcome(
+    run_dir: str | Path,
+    *,
+    status: str,
+    last_step: int,
+    target_step: int,
+    exit_code: int,
+    kind: str | None = None,
+    message: str | None = None,
+) -> bool:
+    """Write the record atomically; False (nothing raised) if the disk refuses it."""
+    if status not in ("completed", "stopped"):
+        raise ValueError(f"unknown outcome status {status!r}")
+    record = {
+        "status": status,
+        "last_step": last_step,
+        "target_step": target_step,
+        "kind": kind,
+        "message": message,
+        "exit_code": int(exit_code),
+        "time": time.time(),
+    }
+    path = Path(run_dir) / FILENAME
+    tmp = path.with_name(f"{FILENAME}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(record) + "\n")
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        return False
+
+
+def read_outcome(run_dir: str | Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((Path(run_dir) / FILENAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def clear_outcome(run_dir: str | Path) -> None:
+    try:
+        (Path(run_dir) / FILENAME).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def exit_code_of(outcome: dict[str, Any] | None) -> int:
+    """The exit status a launcher reports for ``outcome``: 0 only for a completed run."""
+    if outcome is None:
+        return int(ExitCode.FAILED)
+    if outcome.get("status") == "completed" and outcome.get("last_step") == outcome.get("target_step"):
+        return 0
+    code = int(outcome.get("exit_code") or ExitCode.FAILED)
+    return code if code != 0 else int(ExitCode.FAILED)
