@@ -13,14 +13,27 @@ contribution, the caller may add to it (extra micro-batches, a promoted spare's 
 
 Several tensors can be reduced together (the gradient buffer plus small bookkeeping vectors); each
 is cut into its own buckets of at most ``bucket_numel`` elements.
+
+Restoring on a side stream (``restore(epoch, asynchronous=True)`` with CUDA buffers) overlaps the
+copies with the extra micro-batches. :meth:`restore` always returns a :class:`RestoreHandle`; its
+``wait()`` makes the compute stream wait for the copies and must come before anything is added to
+the buffer (a promoted spare's gradients, the first backward of an extra micro-batch): a copy still
+in flight would overwrite it. ``wait()`` is idempotent and a no-op after a blocking restore, so
+calling it unconditionally is always right. Only buckets that live on the side stream's device
+are copied there; buckets in host memory (the bookkeeping vector) are restored synchronously
+before :meth:`restore` returns. :meth:`reduce`, :meth:`restore` and :meth:`reset` wait for a
+pending restore themselves, since they read or drop the snapshots and the buffer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from .streams import CudaStreams, Streams
 
 
 @dataclass
@@ -30,8 +43,43 @@ class Bucket:
     epoch: int | None = None
 
 
+class RestoreHandle:
+    """The outcome of one :meth:`BucketedReduction.restore`.
+
+    ``buckets``: indices of the buckets restored; ``asynchronous``: whether some of them are being
+    copied on a side stream; ``done``: True once the compute stream is ordered after every copy
+    (at once for a blocking restore, after :meth:`wait` otherwise).
+    """
+
+    def __init__(self, buckets: tuple[int, ...], streams: Streams | None = None, event: Any = None) -> None:
+        self.buckets = buckets
+        self._streams, self._event = streams, event
+        self.asynchronous = event is not None
+
+    @property
+    def done(self) -> bool:
+        return self._event is None
+
+    def wait(self) -> None:
+        """Make the current (compute) stream wait for the restore. Idempotent."""
+        if self._event is None:
+            return
+        assert self._streams is not None
+        self._streams.wait(self._event)
+        self._event = None
+
+
 class BucketedReduction:
-    def __init__(self, tensors: list[torch.Tensor], bucket_numel: int):
+    """Bucketed, snapshotted reduction of ``tensors`` (see the module docstring).
+
+    ``streams`` runs asynchronous restores; by default a :class:`~.streams.CudaStreams` is created
+    on the first asynchronous restore that has a CUDA bucket to copy, and a restore without device
+    buckets (or with ``asynchronous=False``) is a plain copy that needs no stream at all.
+    """
+
+    def __init__(
+        self, tensors: list[torch.Tensor], bucket_numel: int, streams: Streams | None = None
+    ) -> None:
         if bucket_numel < 1:
             raise ValueError("bucket_numel must be >= 1")
         self.buckets: list[Bucket] = []
@@ -39,11 +87,13 @@ class BucketedReduction:
             flat = t.view(-1)
             for start in range(0, flat.numel(), bucket_numel):
                 self.buckets.append(Bucket(flat[start : start + bucket_numel]))
-        self._restore_stream: torch.cuda.Stream | None = None
+        self.streams = streams
+        self._pending: RestoreHandle | None = None
 
-    def reduce(self, comm, epoch: int, before_bucket: Callable[[int], None] | None = None) -> None:
+    def reduce(self, comm: Any, epoch: int, before_bucket: Callable[[int], None] | None = None) -> None:
         """Reduce every bucket not yet reduced in ``epoch``; raises whatever ``comm`` raises on a
         failure (the torn state is then repaired by :meth:`restore`)."""
+        self.wait_restored()  # the snapshots below must see the restored buffer
         for i, b in enumerate(self.buckets):
             if b.epoch == epoch:
                 continue
@@ -61,35 +111,55 @@ class BucketedReduction:
     def stale(self, epoch: int) -> list[int]:
         return [i for i, b in enumerate(self.buckets) if b.snapshot is not None and b.epoch != epoch]
 
-    def restore(self, epoch: int, asynchronous: bool = False) -> torch.cuda.Event | None:
+    def restore(self, epoch: int, asynchronous: bool = False) -> RestoreHandle:
         """Put this rank's local contribution back into every stale bucket and drop the snapshots
         (the contribution may grow before the next reduction, which snapshots it again).
 
-        With ``asynchronous`` on CUDA the copies run on a side stream and an event is returned: the
-        caller must make the compute stream wait on it before anything accumulates into the buffer.
+        With ``asynchronous``, buckets on the side stream's device are copied there and the returned
+        handle's :meth:`RestoreHandle.wait` must run before anything accumulates into the buffer;
+        host buckets are always copied before this returns.
         """
+        self.wait_restored()  # a second restore must not race the copies of the first
         stale = self.stale(epoch)
-        use_stream = asynchronous and stale and self.buckets[stale[0]].view.is_cuda
-        if use_stream:
-            if self._restore_stream is None:
-                self._restore_stream = torch.cuda.Stream()
-            self._restore_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._restore_stream):
-                for i in stale:
-                    self.buckets[i].view.copy_(self.buckets[i].snapshot, non_blocking=True)
-                    # The snapshot is freed below while the copy may still run on the side stream.
-                    self.buckets[i].snapshot.record_stream(self._restore_stream)
-            event = torch.cuda.Event()
-            event.record(self._restore_stream)
+        streams = self._streams_for(stale) if asynchronous else None
+        # Only device buckets can be ordered on a side stream; host ones are copied right here.
+        deferred = [i for i in stale if streams is not None and streams.owns(self.buckets[i].view)]
+        for i in sorted(set(stale) - set(deferred)):
+            self.buckets[i].view.copy_(self.buckets[i].snapshot)
+        handle = RestoreHandle(tuple(stale))
+        if deferred:
+            assert streams is not None
+            pairs = [(self.buckets[i].view, self.buckets[i].snapshot) for i in deferred]
+
+            def copy_back() -> None:
+                for view, snapshot in pairs:
+                    view.copy_(snapshot, non_blocking=True)
+
+            event = streams.side(copy_back, keep_alive=[snapshot for _, snapshot in pairs])
+            handle = RestoreHandle(tuple(stale), streams, event)
+            self._pending = handle
         for i in stale:
-            if not use_stream:
-                self.buckets[i].view.copy_(self.buckets[i].snapshot)
             self.buckets[i].epoch = None
         for b in self.buckets:
             b.snapshot = None
-        return event if use_stream else None
+        return handle
+
+    def wait_restored(self) -> None:
+        """Order the compute stream after the last asynchronous restore, if it is still pending."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
 
     def reset(self) -> None:
         """Forget snapshots and tags (a new step)."""
+        self.wait_restored()
         for b in self.buckets:
             b.snapshot, b.epoch = None, None
+
+    def _streams_for(self, stale: list[int]) -> Streams | None:
+        if self.streams is None:
+            cuda = next((self.buckets[i].view for i in stale if self.buckets[i].view.is_cuda), None)
+            if cuda is None:
+                return None  # nothing to overlap: a CPU run restores by plain copies
+            self.streams = CudaStreams(cuda.device)
+        return self.streams
