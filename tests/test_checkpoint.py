@@ -1,13 +1,43 @@
-"""Checkpoint format (single process): asynchronous saves equal synchronous ones, publication is
-atomic, and a save interrupted before it is published leaves the previous checkpoint in force."""
+"""Checkpoints: asynchronous saves equal synchronous ones, publication is atomic, a save that fails
+on any rank (full disk for real, injected errors, a rank that never finishes) is abandoned on every
+rank without waiting for a deadline and leaves the previous checkpoint in force, damaged checkpoints
+give one-line errors naming the file, and a run resumes automatically only from its own checkpoints.
+
+Single process, except one test that runs a gloo world of two ranks."""
 
 from __future__ import annotations
 
-import torch
-from safetensors.torch import load_file
+import errno
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
 
-from nanotron_recover.checkpoint import CheckpointReader, PendingSave, latest_step, resolve, save_checkpoint
-from nanotron_recover.config import Config, LlamaConfig, ModelArgs
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from nanotron_recover import checkpoint
+from nanotron_recover.checkpoint import (
+    CheckpointError,
+    CheckpointIOError,
+    CheckpointReader,
+    CheckpointTimeoutError,
+    PendingSave,
+    find_resume_checkpoint,
+    latest_step,
+    resolve,
+    run_identity,
+    save_checkpoint,
+)
+from nanotron_recover.config import CheckpointsArgs, Config, LlamaConfig, ModelArgs, ParallelismArgs
 from nanotron_recover.models.llama import LlamaStage
 
 
@@ -73,3 +103,428 @@ def test_reader_round_trips_weights(tmp_path):
     CheckpointReader(tmp_path).load_model(other)
     for (n, a), (_, b) in zip(stage.named_parameters(), other.named_parameters(), strict=True):
         assert torch.equal(a, b), n
+
+
+# -- failures while saving ---------------------------------------------------------------------
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """Space a checkpoint takes on tmpfs: every file rounded up to whole pages."""
+    return sum(-(-f.stat().st_size // 4096) * 4096 for f in path.rglob("*") if f.is_file())
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A tmpfs with room for one checkpoint of ``tiny()`` (and meta files), not for two."""
+    cfg, stage = tiny()
+    probe = save_checkpoint(tmp_path / "probe", 2, cfg, stage, None, tp=1, pp=1, dp_rank=0)
+    size_k = (checkpoint_bytes(probe) * 3 // 2) // 1024
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    try:
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_k}k", "tmpfs", str(mnt)],
+            capture_output=True,
+            text=True,
+        )
+        why = mounted.stderr.strip() if mounted.returncode != 0 else None
+    except OSError as e:
+        why = str(e)
+    if why is not None:
+        pytest.skip(f"cannot mount a small tmpfs to fill up (needs root and mount): {why}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def assert_one_line(error: BaseException) -> str:
+    text = str(error)
+    assert "\n" not in text, text
+    return text
+
+
+def assert_first_checkpoint_intact(root: Path, stage: LlamaStage) -> None:
+    assert not list(root.glob("step_*.tmp")), "a failed save leaves no tmp folder behind"
+    assert (root / "latest").read_text() == "step_2"
+    CheckpointReader(root).verify(rank=0)
+    assert_loads_like(root, stage)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_full_disk_keeps_previous_checkpoint(small_disk: Path, asynchronous: bool):
+    cfg, stage = tiny()
+    save_checkpoint(small_disk, 2, cfg, stage, None, tp=1, pp=1, dp_rank=0)
+    with pytest.raises(CheckpointIOError) as caught:
+        saved = save_checkpoint(
+            small_disk, 4, cfg, stage, None, tp=1, pp=1, dp_rank=0, asynchronous=asynchronous
+        )
+        if asynchronous:
+            assert isinstance(saved, PendingSave)
+            try:
+                saved.wait(timeout_s=60)
+            finally:
+                assert saved.done and isinstance(saved.error, CheckpointIOError)
+    text = assert_one_line(caught.value)
+    shard = small_disk / "step_4.tmp" / "model" / "pp0-tp0.safetensors"
+    assert text == f"checkpoint step 4 not saved: {shard}: No space left on device"
+    assert caught.value.errno == errno.ENOSPC and caught.value.path == str(shard)
+    assert_first_checkpoint_intact(small_disk, stage)
+
+
+def test_failed_async_save_keeps_its_error(tmp_path, monkeypatch):
+    cfg, stage = tiny()
+
+    def refuse(obj, path):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(checkpoint, "_torch_save", refuse)
+    pending = save_checkpoint(tmp_path, 3, cfg, stage, None, tp=1, pp=1, dp_rank=0, asynchronous=True)
+    assert isinstance(pending, PendingSave)
+    with pytest.raises(CheckpointIOError) as first:
+        pending.wait(timeout_s=60)
+    with pytest.raises(CheckpointIOError) as again:
+        pending.poll()
+    assert first.value is again.value is pending.error
+    assert (
+        str(first.value)
+        == f"checkpoint step 3 not saved: {tmp_path}/step_3.tmp/rng/rank0.pt: Permission denied"
+    )
+    assert not (tmp_path / "step_3.tmp").exists() and not (tmp_path / "latest").exists()
+
+
+def test_pending_save_poll_and_timeout(tmp_path, monkeypatch):
+    cfg, stage = tiny()
+    release = threading.Event()
+    original = checkpoint._torch_save
+
+    def slow(obj, path):
+        release.wait(30)
+        original(obj, path)
+
+    monkeypatch.setattr(checkpoint, "_torch_save", slow)
+    pending = save_checkpoint(tmp_path, 5, cfg, stage, None, tp=1, pp=1, dp_rank=0, asynchronous=True)
+    assert pending.poll() is None and not pending.done and pending.error is None
+    with pytest.raises(CheckpointTimeoutError):
+        pending.wait(timeout_s=0.05)
+    release.set()
+    assert pending.wait(timeout_s=30) == tmp_path / "step_5"
+    assert pending.poll() == tmp_path / "step_5" and pending.error is None
+    assert latest_step(tmp_path) == 5
+
+
+def test_same_step_saved_again_replaces_it(tmp_path):
+    cfg, stage = tiny()
+    save_checkpoint(tmp_path, 4, cfg, stage, None, tp=1, pp=1, dp_rank=0)
+    with torch.no_grad():
+        for p in stage.parameters():
+            p.add_(1.0)
+    save_checkpoint(tmp_path, 4, cfg, stage, None, tp=1, pp=1, dp_rank=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_4"]
+    assert_loads_like(tmp_path, stage)
+
+
+def assert_loads_like(root: Path, stage: LlamaStage) -> None:
+    other = LlamaStage(stage.cfg)
+    CheckpointReader(root).load_model(other)
+    for (n, a), (_, b) in zip(stage.named_parameters(), other.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+
+
+# -- two ranks: one failing rank never leaves the others waiting ---------------------------------
+
+
+def _two_rank_worker(rank: int, store: str, root: str) -> None:
+    """Each scenario on both ranks of a gloo world; an assertion failing here fails the test."""
+    import datetime
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        _two_rank_scenarios(rank, Path(root))
+    except BaseException:
+        # The peer of a failing rank dies of a closed connection: keep each rank's own story.
+        Path(f"{root}.rank{rank}.error").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_rank_scenarios(rank: int, root: Path) -> None:
+    cfg, stage = tiny()
+    cfg = replace(cfg, parallelism=ParallelismArgs(dp=2))
+    kw = {"tp": 1, "pp": 1, "dp_rank": rank}
+    original = checkpoint._torch_save
+
+    def full_disk(obj, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    def save(step: int, failing: int | None, asynchronous: bool, timeout_s: float = 60.0, fault=full_disk):
+        checkpoint._torch_save = fault if rank == failing else original
+        try:
+            t0 = time.monotonic()
+            try:
+                saved = save_checkpoint(
+                    root,
+                    step,
+                    cfg,
+                    stage,
+                    None,
+                    **kw,
+                    asynchronous=asynchronous,
+                    finalize_timeout_s=timeout_s,
+                )
+                if isinstance(saved, PendingSave):
+                    saved = saved.wait(timeout_s=120)
+                return saved, None, time.monotonic() - t0
+            except CheckpointError as e:
+                return None, e, time.monotonic() - t0
+        finally:
+            checkpoint._torch_save = original
+            dist.barrier()  # both ranks see the outcome on disk before the next scenario
+
+    path, error, _ = save(2, None, asynchronous=False)
+    assert error is None and path == root / "step_2"
+    path, error, _ = save(3, None, asynchronous=True)
+    assert error is None and path == root / "step_3" and latest_step(root) == 3
+    rank1_rng = f"{root}/step_4.tmp/rng/rank1.pt"
+    rank0_rng = f"{root}/step_5.tmp/rng/rank0.pt"
+    expected = {
+        # Synchronous, rank 1 fails: both ranks raise rank 1's error.
+        (4, 1, False): f"checkpoint step 4 not saved: {rank1_rng}: No space left on device",
+        # Asynchronous, rank 1 fails: rank 0 stops waiting at once and abandons.
+        (4, 1, True): f"checkpoint step 4 not saved: {rank1_rng}: No space left on device",
+        # Asynchronous, rank 0 fails: rank 1 gets rank 0's verdict.
+        (5, 0, True): f"checkpoint step 5 not saved: {rank0_rng}: No space left on device",
+    }
+    for (step, failing, asynchronous), message in expected.items():
+        path, error, took = save(step, failing, asynchronous)
+        assert isinstance(error, CheckpointIOError), (rank, step, failing, asynchronous, error)
+        assert str(error) == message, (rank, str(error))
+        assert took < 15, f"a failed save took {took:.1f}s: something waited for a deadline"
+        assert latest_step(root) == 3, (rank, step, sorted(p.name for p in root.iterdir()))
+        assert not (root / f"step_{step}.tmp").exists(), (rank, step)
+        dist.barrier()  # both checked before the next save changes the folder
+
+    # A rank that never finishes: rank 0 gives up at the deadline, and both report the same.
+    def stuck(obj, path):
+        time.sleep(4)
+        original(obj, path)
+
+    path, error, took = save(6, 1, asynchronous=True, timeout_s=1.0, fault=stuck)
+    assert type(error) is CheckpointError and "rank(s) 1 did not finish writing" in str(error), error
+    assert (took < 3) if rank == 0 else (took < 10), took
+    assert latest_step(root) == 3 and not (root / "step_6").exists()
+    dist.barrier()
+
+    path, error, _ = save(8, None, asynchronous=True)
+    assert error is None and latest_step(root) == 8
+    CheckpointReader(root).verify(rank=rank)
+
+
+def test_two_ranks_agree_on_failed_saves(tmp_path):
+    # fork: the ranks start in a fraction of the time spawn takes (CPU only, no CUDA state to lose).
+    ranks = mp.start_processes(
+        _two_rank_worker,
+        args=(str(tmp_path / "store"), str(tmp_path / "ck")),
+        nprocs=2,
+        join=False,
+        start_method="fork",
+    )
+    deadline = time.monotonic() + 180
+    try:
+        while not ranks.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail("the two ranks did not finish within 180s")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException):
+        stories = "\n".join(f.read_text() for f in sorted(tmp_path.glob("ck.rank*.error")))
+        pytest.fail(f"a rank failed:\n{stories}")
+    finally:
+        for process in ranks.processes:
+            if process.is_alive():
+                process.kill()
+
+
+# -- damaged checkpoints --------------------------------------------------------------------------
+
+
+def saved(tmp_path: Path, optimizer: bool = True) -> tuple[Config, LlamaStage, Path]:
+    cfg, stage = tiny()
+    save_checkpoint(tmp_path, 2, cfg, stage, opt_state(stage) if optimizer else None, tp=1, pp=1, dp_rank=0)
+    return cfg, stage, tmp_path / "step_2"
+
+
+def test_corrupt_meta_json(tmp_path):
+    _, _, step_dir = saved(tmp_path)
+    meta = step_dir / "meta.json"
+    meta.write_text(meta.read_text()[:100])  # truncated
+    with pytest.raises(CheckpointError) as caught:
+        CheckpointReader(tmp_path)
+    assert assert_one_line(caught.value).startswith(f"{meta}: corrupt or truncated JSON (")
+    with pytest.raises(CheckpointError, match="meta.json: corrupt"):
+        latest_step(tmp_path)
+    meta.write_text('{"step": 2}')
+    with pytest.raises(CheckpointError) as caught:
+        CheckpointReader(step_dir)
+    assert assert_one_line(caught.value).startswith(f"{meta}: incomplete or corrupt")
+
+
+@pytest.mark.parametrize("kind", ["model", "optimizer"])
+def test_truncated_shard(tmp_path, kind):
+    _, stage, step_dir = saved(tmp_path)
+    shard_file = step_dir / kind / "pp0-tp0.safetensors"
+    os.truncate(shard_file, shard_file.stat().st_size // 2)
+    reader = CheckpointReader(tmp_path)  # meta.json alone is fine
+    with pytest.raises(CheckpointError) as caught:
+        reader.verify()
+    assert assert_one_line(caught.value).startswith(f"{shard_file}: unreadable safetensors file (")
+    with pytest.raises(CheckpointError) as caught:
+        if kind == "model":
+            reader.load_model(LlamaStage(stage.cfg))
+        else:
+            reader.load_optimizer_state(LlamaStage(stage.cfg))
+    assert assert_one_line(caught.value).startswith(f"{shard_file}: unreadable safetensors file (")
+
+
+def test_missing_shard_and_entry(tmp_path):
+    _, _, step_dir = saved(tmp_path)
+    shard_file = step_dir / "optimizer" / "pp0-tp0.safetensors"
+    tensors = load_file(shard_file)
+    del tensors["exp_avg/model.norm.weight"]
+    save_file(tensors, shard_file)
+    with pytest.raises(CheckpointError) as caught:
+        CheckpointReader(tmp_path).verify()
+    assert str(caught.value) == f"{shard_file}: no entry 'exp_avg/model.norm.weight'"
+    shard_file.unlink()
+    with pytest.raises(CheckpointError) as caught:
+        CheckpointReader(tmp_path).verify()
+    assert str(caught.value) == f"{step_dir}: missing optimizer/pp0-tp0.safetensors"
+
+
+def test_rng_file_is_optional_but_must_not_be_damaged(tmp_path):
+    _, _, step_dir = saved(tmp_path)
+    rng = step_dir / "rng" / "rank0.pt"
+    rng.write_bytes(rng.read_bytes()[:50])
+    with pytest.raises(CheckpointError) as caught:
+        CheckpointReader(tmp_path).verify(rank=0)
+    assert assert_one_line(caught.value).startswith(f"{rng}: unreadable RNG state (")
+    rng.unlink()
+    reader = CheckpointReader(tmp_path)
+    reader.verify(rank=0)
+    reader.load_rng(0, 1)  # nothing to restore, nothing raised
+
+
+def test_latest_naming_a_missing_or_incomplete_folder(tmp_path):
+    _, _, step_dir = saved(tmp_path)
+    latest = tmp_path / "latest"
+    latest.write_text("step_9")
+    for call in (CheckpointReader, latest_step, lambda p: find_resume_checkpoint(tiny()[0], p)):
+        with pytest.raises(CheckpointError) as caught:
+            call(tmp_path)
+        assert assert_one_line(caught.value) == f"{latest}: names step_9, which does not exist"
+    (tmp_path / "step_9" / "model").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="names step_9, which is incomplete"):
+        latest_step(tmp_path)
+
+
+def test_unfinished_save_is_never_a_checkpoint(tmp_path):
+    cfg, stage, step_dir = saved(tmp_path)
+    # A save killed after rank 0 wrote meta.json, before publication.
+    shutil.copytree(step_dir, tmp_path / "step_4.tmp")
+    assert latest_step(tmp_path) == 2
+    with pytest.raises(CheckpointError, match="unfinished save"):
+        CheckpointReader(tmp_path / "step_4.tmp")
+    # Without `latest` (killed between the renames of the first save), the newest complete step.
+    (tmp_path / "latest").unlink()
+    shutil.copytree(step_dir, tmp_path / "step_3")
+    assert find_resume_checkpoint(cfg, tmp_path).path == tmp_path / "step_3"
+
+
+# -- run identity and resuming ----------------------------------------------------------------------
+
+
+def test_run_identity_ignores_layout_and_length_only():
+    cfg, _ = tiny()
+    base = run_identity(cfg)
+    assert len(base) == 16 and int(base, 16) >= 0
+    tokens = cfg.tokens
+    same = [
+        replace(cfg, parallelism=ParallelismArgs(tp=2, pp=2, pp_engine="afab")),
+        replace(cfg, tokens=replace(tokens, train_steps=tokens.train_steps + 100)),
+        replace(cfg, checkpoints=CheckpointsArgs(checkpoints_path=Path("/elsewhere"), checkpoint_interval=7)),
+        replace(cfg, general=replace(cfg.general, run="renamed", project="other")),
+    ]
+    two_g = replace(cfg, tokens=replace(tokens, batch_accumulation_per_replica=2))
+    assert run_identity(two_g) == run_identity(
+        replace(
+            cfg, parallelism=ParallelismArgs(dp=2), tokens=replace(tokens, batch_accumulation_per_replica=1)
+        )
+    ), "dp=1 x G=2 and dp=2 x G=1 sum the same micro-batches per step"
+    for other in same:
+        assert run_identity(other) == base
+    sched = cfg.optimizer.learning_rate_scheduler
+    different = [
+        replace(cfg, model=replace(cfg.model, model_config=replace(cfg.model.model_config, hidden_size=64))),
+        replace(
+            cfg,
+            optimizer=replace(cfg.optimizer, learning_rate_scheduler=replace(sched, learning_rate=1e-3)),
+        ),
+        replace(cfg, general=replace(cfg.general, seed=cfg.general.seed + 1)),
+        two_g,  # B doubles
+        replace(cfg, tokens=replace(tokens, sequence_length=tokens.sequence_length * 2)),
+    ]
+    identities = {run_identity(c) for c in different}
+    assert base not in identities and len(identities) == len(different)
+
+
+def test_find_resume_checkpoint(tmp_path):
+    cfg, stage = tiny()
+    assert find_resume_checkpoint(cfg, tmp_path / "nothing") is None
+    assert find_resume_checkpoint(cfg, tmp_path) is None
+    save_checkpoint(tmp_path, 2, cfg, stage, opt_state(stage), tp=1, pp=1, dp_rank=0)
+    own = find_resume_checkpoint(cfg, tmp_path, rank=0)
+    assert own is not None and own.step == 2 and own.run_identity == run_identity(cfg)
+    # Resuming on another layout keeping B is the same run.
+    relaid = replace(cfg, parallelism=ParallelismArgs(dp=1, tp=2))
+    assert find_resume_checkpoint(relaid, tmp_path).step == 2
+
+    other = replace(cfg, general=replace(cfg.general, seed=cfg.general.seed + 1))
+    with pytest.raises(CheckpointError) as caught:
+        find_resume_checkpoint(other, tmp_path)
+    assert assert_one_line(caught.value) == (
+        f"{tmp_path / 'step_2'}: checkpoint belongs to another run (identity {run_identity(cfg)} != "
+        f"{run_identity(other)}); use another checkpoints_path, or name it in "
+        "checkpoints.resume_checkpoint_path to resume it anyway"
+    )
+    explicit = replace(other, checkpoints=replace(other.checkpoints, resume_checkpoint_path=tmp_path))
+    assert find_resume_checkpoint(explicit, tmp_path / "unused").step == 2
+
+    # A checkpoint from before identities were recorded: only when named explicitly.
+    meta_file = tmp_path / "step_2" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["run_identity"]
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"another run \(identity unrecorded != "):
+        find_resume_checkpoint(cfg, tmp_path)
+    named = replace(cfg, checkpoints=replace(cfg.checkpoints, resume_checkpoint_path=tmp_path / "step_2"))
+    assert find_resume_checkpoint(named, tmp_path).step == 2
+
+    # Explicit still refuses another model shape, and damage is found before anything is loaded.
+    bigger = replace(
+        named, model=replace(cfg.model, model_config=replace(cfg.model.model_config, vocab_size=128))
+    )
+    with pytest.raises(CheckpointError, match="vocab_size=64, config says 128"):
+        find_resume_checkpoint(bigger, tmp_path)
+    os.truncate(tmp_path / "step_2" / "model" / "pp0-tp0.safetensors", 100)
+    with pytest.raises(CheckpointError, match="unreadable safetensors file"):
+        find_resume_checkpoint(named, tmp_path)
+
+
+def test_resume_without_optimizer_state_is_refused_early(tmp_path):
+    cfg, _, _ = saved(tmp_path, optimizer=False)
+    with pytest.raises(CheckpointError, match="has no optimizer state"):
+        find_resume_checkpoint(cfg, tmp_path)
+    weights_only = replace(cfg, checkpoints=replace(cfg.checkpoints, load_optimizer=False))
+    assert find_resume_checkpoint(weights_only, tmp_path).step == 2
