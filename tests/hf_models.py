@@ -34,6 +34,8 @@ def write_config(path: Path, tie: bool) -> Path:
     data["tokens"].update(
         sequence_length=16, micro_batch_size=2, batch_accumulation_per_replica=1, train_steps=1
     )
+    # A warm-up longer than the one training step is refused.
+    data["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
     path.write_text(yaml.safe_dump(data))
     return path
 

@@ -224,9 +224,10 @@ def test_int_is_accepted_where_a_float_is_expected():
     ("text", "value"), [("1e-3", 1e-3), ("3.0e4", 3e4), ("-2.5E-2", -0.025), (".5e1", 5.0)]
 )
 def test_scientific_notation_is_a_number(text: str, value: float):
-    # PyYAML (YAML 1.1) loads these as strings; a float field must still take them.
-    cfg = tiny(f"optimizer.learning_rate_scheduler.learning_rate={text}")
-    assert cfg.optimizer.learning_rate_scheduler.learning_rate == value
+    # PyYAML (YAML 1.1) loads these as strings; a float field must still take them. (A field
+    # without a range check, so that the negative value is not refused by validation.)
+    cfg = tiny(f"model.model_config.initializer_range={text}")
+    assert cfg.model.model_config.initializer_range == value
 
 
 def test_scientific_notation_in_a_yaml_file_is_a_number(tmp_path: Path):
@@ -382,7 +383,7 @@ def test_yaml_top_level_must_be_a_mapping(tmp_path: Path, text: str):
                 "recover.faults=[{step: 2, replica: 0, phase: gate}]",
             ],
             "recover.faults[0]: phase 'gate' does not exist in checkpoint_restart mode "
-            "(choose forward, backward, reduce, optimizer)",
+            "(choose forward, backward, reduce, optimizer, save)",
         ),
         (["data_stages=[]"], "data_stages must list at least one stage"),
         (
@@ -454,6 +455,182 @@ RECOVER_ON = "recover.enabled=true"
 )
 def test_recover_rule_message(overrides: list[str], message: str):
     assert tiny_error(*overrides) == message
+
+
+LR = "optimizer.learning_rate_scheduler"
+SAVE_EVERY_2 = "checkpoints.checkpoint_interval=2"
+RESTART = ["recover.enabled=true", "recover.mode=checkpoint_restart", SAVE_EVERY_2]
+
+
+# The tiny config: lr 0.003, min_decay_lr 0.0003, 20 steps, dp=2 x 4 accumulation = 8 micro-batches
+# per step (step s computes ids 8(s-1)..8s-1), world size 2. Each row: overrides, then a piece of
+# the one-line message that names the key and the range it accepts.
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([f"{LR}.learning_rate=0"], f"{LR}.learning_rate must be > 0, got 0.0"),
+        ([f"{LR}.learning_rate=-1e-3"], f"{LR}.learning_rate must be > 0, got -0.001"),
+        ([f"{LR}.learning_rate=.nan"], f"{LR}.learning_rate must be > 0, got nan"),
+        (
+            [f"{LR}.min_decay_lr=-1e-5"],
+            f"{LR}.min_decay_lr must be between 0 and learning_rate=0.003, got -1e-05",
+        ),
+        (
+            [f"{LR}.min_decay_lr=0.01"],
+            f"{LR}.min_decay_lr must be between 0 and learning_rate=0.003, got 0.01",
+        ),
+        (
+            [f"{LR}.lr_warmup_steps=21"],
+            f"{LR}.lr_warmup_steps=21 is longer than the run (tokens.train_steps=20): "
+            "choose lr_warmup_steps between 0 and 20",
+        ),
+        ([f"{LR}.lr_decay_starting_step=-1"], f"{LR}.lr_decay_starting_step must be >= 0 or null, got -1"),
+        (["optimizer.clip_grad=0"], "optimizer.clip_grad must be > 0, or null for no clipping, got 0.0"),
+        (["optimizer.clip_grad=-1"], "optimizer.clip_grad must be > 0, or null for no clipping, got -1.0"),
+        (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay must be >= 0, got -0.1"),
+        (
+            ["optimizer.optimizer_factory.adam_beta1=1"],
+            "optimizer.optimizer_factory.adam_beta1 must be in [0, 1), got 1.0",
+        ),
+        (
+            ["optimizer.optimizer_factory.adam_beta2=-0.5"],
+            "optimizer.optimizer_factory.adam_beta2 must be in [0, 1), got -0.5",
+        ),
+        (
+            ["optimizer.optimizer_factory.adam_eps=0"],
+            "optimizer.optimizer_factory.adam_eps must be > 0, got 0.0",
+        ),
+        (["data_stages.0.data.seed=-1"], "data_stages[0].data.seed must be >= 0 or null, got -1"),
+        (
+            ["data_stages.0.data.seed=null", "general.seed=-3"],
+            "general.seed must be >= 0 (data_stages[0] draws its data with it), got -3",
+        ),
+        (["recover.heartbeat_period_s=0"], "recover.heartbeat_period_s must be > 0, got 0.0"),
+        (
+            ["recover.heartbeat_timeout_s=1"],
+            "recover.heartbeat_timeout_s=1.0 must be greater than recover.heartbeat_period_s=1.0",
+        ),
+        (
+            ["recover.heartbeat_period_s=10"],
+            "recover.heartbeat_timeout_s=5.0 must be greater than recover.heartbeat_period_s=10.0",
+        ),
+        (
+            ["recover.watchdog_timeout_s=0"],
+            "recover.watchdog_timeout_s must be > 0, or null for no watchdog, got 0.0",
+        ),
+        (
+            [RECOVER_ON, "recover.faults=[{step: 2, kind: error}]"],
+            "recover.faults[0]: kind error needs id, the global micro-batch id to fail: step 2 computes ids 8..15",
+        ),
+        (
+            [RECOVER_ON, "recover.faults=[{step: 2, kind: error, id: 16}]"],
+            "recover.faults[0]: id 16 is not computed in step 2: choose id in [8, 16) "
+            "(parallelism.dp * tokens.batch_accumulation_per_replica = 8 micro-batches per step)",
+        ),
+        (
+            [RECOVER_ON, "recover.faults=[{step: 2, kind: error, id: 7}]"],
+            "recover.faults[0]: id 7 is not computed in step 2: choose id in [8, 16)",
+        ),
+        (
+            [RECOVER_ON, "recover.faults=[{step: 2, kind: error, id: 9, replica: 0}]"],
+            "recover.faults[0]: kind error fires in whichever replica computes micro-batch id; "
+            "remove replica and rank",
+        ),
+        (
+            [RECOVER_ON, "recover.faults=[{step: 2, kind: error, id: 9, rank: 1}]"],
+            "remove replica and rank",
+        ),
+        (
+            [RECOVER_ON, "recover.faults=[{step: 2, kind: error, id: 9, phase: reduce}]"],
+            "recover.faults[0]: kind error fires while a micro-batch is computed, so phase must be one of "
+            "forward, backward, recovery, got 'reduce'",
+        ),
+        (
+            [RECOVER_ON, "recover.faults=[{step: 2, kind: error, id: 9, microbatch: 1}]"],
+            "recover.faults[0]: microbatch is not used by kind error (id names the micro-batch)",
+        ),
+        (
+            [RECOVER_ON, "recover.faults=[{step: 2, kind: freeze}]"],
+            "recover.faults[0]: set exactly one of replica or rank",
+        ),
+        (
+            [RECOVER_ON, "recover.faults=[{step: 2, kind: kill, replica: 0, rank: 1}]"],
+            "recover.faults[0]: set exactly one of replica or rank",
+        ),
+        (
+            [RECOVER_ON, "recover.faults=[{step: 2, kind: freeze, replica: 0, id: 9}]"],
+            "recover.faults[0]: id is only for kind error; kind freeze picks its victim with replica or rank",
+        ),
+        (
+            [RECOVER_ON, "recover.faults=[{step: 2, replica: 0, persistent: true}]"],
+            "recover.faults[0]: persistent is only for kind error; remove it from kind kill",
+        ),
+        (
+            [RECOVER_ON, "recover.faults=[{step: 2, replica: 0, phase: save}]"],
+            "recover.faults[0]: phase save needs periodic checkpoints: set checkpoints.checkpoint_interval >= 1",
+        ),
+        (
+            [RECOVER_ON, SAVE_EVERY_2, "recover.faults=[{step: 3, replica: 0, phase: save}]"],
+            "recover.faults[0]: phase save at step 3 would never fire: checkpoints are saved every "
+            "checkpoints.checkpoint_interval=2 steps, so choose a step that is a multiple of 2",
+        ),
+        (
+            [*RESTART, "recover.faults=[{step: 2, replica: 0, kind: freeze}]"],
+            "recover.faults[0]: kind 'freeze' is not supported in checkpoint_restart mode, which recovers "
+            "only from dead ranks: use kind: kill, or recover.mode: forward",
+        ),
+        (
+            [*RESTART, "recover.faults=[{step: 2, kind: error, id: 8}]"],
+            "recover.faults[0]: kind 'error' is not supported in checkpoint_restart mode",
+        ),
+    ],
+)
+def test_out_of_range_value_is_one_line_naming_the_key(overrides: list[str], expected: str):
+    message = tiny_error(*overrides)
+    assert "\n" not in message
+    assert expected in message
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # Decay reaching past the end of the run is fine (Nanotron allows it): the rate just
+        # never gets down to min_decay_lr.
+        [f"{LR}.lr_warmup_steps=10", f"{LR}.lr_decay_steps=100"],
+        [f"{LR}.lr_warmup_steps=20"],  # warm-up as long as the run
+        [f"{LR}.min_decay_lr=0.003"],  # min == peak: a constant rate
+        [f"{LR}.min_decay_lr=0"],
+        ["optimizer.clip_grad=null", "optimizer.weight_decay=0", "optimizer.optimizer_factory.adam_beta1=0"],
+        [
+            "recover.watchdog_timeout_s=null",
+            "recover.heartbeat_period_s=0.5",
+            "recover.heartbeat_timeout_s=0.6",
+        ],
+        [RECOVER_ON, "recover.faults=[{step: 2, kind: error, id: 8}, {step: 2, kind: error, id: 15}]"],
+        [RECOVER_ON, "recover.faults=[{step: 3, kind: error, id: 20, persistent: true, phase: backward}]"],
+        [RECOVER_ON, "recover.faults=[{step: 2, kind: freeze, rank: 1}]"],
+        [RECOVER_ON, SAVE_EVERY_2, "recover.faults=[{step: 4, replica: 1, phase: save, kind: freeze}]"],
+        [*RESTART, "recover.faults=[{step: 4, replica: 1, phase: save}]"],
+        [*RESTART, "recover.faults=[{step: 3, rank: 0, kind: kill}]"],
+    ],
+)
+def test_values_at_the_edge_of_their_range_validate(overrides: list[str]):
+    tiny(*overrides)
+
+
+def test_fault_kinds_and_ids_reach_the_config():
+    cfg = tiny(
+        RECOVER_ON, "recover.faults=[{step: 2, kind: error, id: 9, persistent: true}, {step: 3, rank: 1}]"
+    )
+    error, kill = cfg.recover.faults
+    assert (error.kind, error.id, error.persistent, error.replica, error.rank) == (
+        "error",
+        9,
+        True,
+        None,
+        None,
+    )
+    assert (kill.kind, kill.id, kill.rank) == ("kill", None, 1)
 
 
 def test_recover_fault_phase_is_a_literal_choice():

@@ -176,6 +176,98 @@ def test_corrupt_index_json_is_rejected(tmp_path):
         TokenCorpus.open(tmp_path / "c")
 
 
+def open_error(folder) -> str:
+    """The message of the InputError that opening ``folder`` raises; it must be one line."""
+    with pytest.raises(InputError) as info:
+        TokenCorpus.open(folder)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def set_index(folder, **changes):
+    data = json.loads((folder / INDEX_FILE).read_text())
+    data.update(changes)
+    (folder / INDEX_FILE).write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("{not json", "not valid JSON"),
+        ("", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"format_version": 1}', "missing field(s): num_tokens, num_documents, vocab_size"),
+    ],
+)
+def test_bad_index_json_is_one_input_error_naming_the_file(tmp_path, text, expected):
+    write_corpus(tmp_path / "c", DOCS)
+    (tmp_path / "c" / INDEX_FILE).write_text(text)
+    message = open_error(tmp_path / "c")
+    assert str(tmp_path / "c" / INDEX_FILE) in message and expected in message
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"num_tokens": "24"}, "num_tokens must be a whole number >= 0, got '24'"),
+        ({"num_tokens": -1}, "num_tokens must be a whole number >= 0, got -1"),
+        ({"vocab_size": 0}, "vocab_size must be a whole number >= 1, got 0"),
+        ({"dtype": "float32"}, "dtype must be one of uint16, uint32, got 'float32'"),
+        ({"dtype": "uint32"}, "dtype uint32 for vocab 100"),
+        ({"eos_token_id": 100}, "eos_token_id 100 is outside the vocabulary [0, 100)"),
+        ({"complete": "yes"}, "complete must be true or false"),
+        ({"tokenizer": None}, "tokenizer must be a string"),
+        ({"format_version": 99}, "unsupported corpus format_version 99"),
+    ],
+)
+def test_ill_typed_index_fields_are_refused_naming_the_file(tmp_path, changes, expected):
+    write_corpus(tmp_path / "c", DOCS)
+    set_index(tmp_path / "c", **changes)
+    message = open_error(tmp_path / "c")
+    assert f"corpus index {tmp_path / 'c' / INDEX_FILE} is corrupt" in message
+    assert expected in message
+
+
+def test_tokens_file_that_is_not_whole_tokens_is_named(tmp_path):
+    write_corpus(tmp_path / "c", DOCS)
+    path = tmp_path / "c" / TOKENS_FILE
+    path.write_bytes(path.read_bytes()[:-1])  # half a uint16
+    message = open_error(tmp_path / "c")
+    assert f"corpus tokens file {path} is truncated or corrupt" in message
+    assert "not a whole number of 2-byte uint16 tokens" in message
+
+
+@pytest.mark.parametrize("delta", [-2, +2], ids=["shorter", "longer"])
+def test_tokens_file_of_the_wrong_length_is_named_with_both_counts(tmp_path, delta):
+    index = write_corpus(tmp_path / "c", DOCS)
+    path = tmp_path / "c" / TOKENS_FILE
+    raw = path.read_bytes()
+    path.write_bytes(raw[:delta] if delta < 0 else raw + b"\0" * delta)
+    message = open_error(tmp_path / "c")
+    assert f"corpus tokens file {path} is truncated or corrupt: {len(raw) + delta} bytes" in message
+    assert f"index says {index.num_tokens} tokens" in message
+
+
+def test_missing_files_are_input_errors_too(tmp_path):
+    # Also FileNotFoundErrors (see test_missing_file_is_named), and one line naming the file.
+    write_corpus(tmp_path / "c", DOCS)
+    (tmp_path / "c" / INDEX_FILE).unlink()
+    assert f"corpus index {tmp_path / 'c' / INDEX_FILE} is missing" in open_error(tmp_path / "c")
+    assert "does not exist" in open_error(tmp_path / "nope")
+
+
+def test_a_file_instead_of_a_folder_is_named(tmp_path):
+    (tmp_path / "c").write_text("tokens")
+    assert f"corpus folder {tmp_path / 'c'} is not a folder" in open_error(tmp_path / "c")
+
+
+def test_incomplete_corpus_is_an_input_error(tmp_path):
+    write_corpus(tmp_path / "c", DOCS)
+    set_index(tmp_path / "c", complete=False)
+    assert "preprocessing did not finish" in open_error(tmp_path / "c")
+
+
 def test_interrupted_writer_leaves_its_last_commit(tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
         with CorpusWriter(tmp_path / "c", 100, "t", EOS, resume={"rows": 0}) as writer:

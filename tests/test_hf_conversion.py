@@ -11,10 +11,11 @@ import json
 import shutil
 from pathlib import Path
 
+import hf_models
 import numpy as np
 import pytest
 import torch
-from hf_models import MODEL, VOCAB, save_random_hf_model, write_config
+from hf_models import MODEL, VOCAB, save_random_hf_model
 from mpirun_utils import Completed, check, run_cli
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -75,7 +76,7 @@ def assert_one_line_error(result: Completed, *words: str) -> str:
 # -- round trip ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_hf_to_ours_to_hf_is_bitwise_identical(tmp_path: Path, tie: bool):
-    config = write_config(tmp_path / "config.yaml", tie)
+    config = hf_models.write_config(tmp_path / "config.yaml", tie)
     hf_dir = save_random_hf_model(tmp_path / "hf", tie, seed=11)
     checkpoint, back = tmp_path / "checkpoint", tmp_path / "back"
 
@@ -113,7 +114,7 @@ def test_hf_to_ours_to_hf_is_bitwise_identical(tmp_path: Path, tie: bool):
 
 
 def test_transformers4_style_config_with_top_level_rope_theta_converts(tmp_path: Path):
-    config = write_config(tmp_path / "config.yaml", tie=False)
+    config = hf_models.write_config(tmp_path / "config.yaml", tie=False)
     hf_dir = save_random_hf_model(tmp_path / "hf", tie=False, seed=5)
     hf_json = json.loads((hf_dir / "config.json").read_text())
     hf_json.pop("rope_parameters", None)
@@ -127,7 +128,7 @@ def test_transformers4_style_config_with_top_level_rope_theta_converts(tmp_path:
 
 # -- resharding: a tp=2 training checkpoint --------------------------------------------------------
 def test_tp2_training_checkpoint_to_hf_matches_eval_on_tp1(tmp_path: Path):
-    config = write_config(tmp_path / "config.yaml", tie=False)
+    config = hf_models.write_config(tmp_path / "config.yaml", tie=False)
     root = tmp_path / "checkpoints"
     overrides = [
         "parallelism.tp=2",
@@ -193,7 +194,7 @@ def hf_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ],
 )
 def test_from_hf_config_mismatch_exits_2_naming_the_field(hf_template: Path, tmp_path: Path, field, value):
-    config = write_config(tmp_path / "config.yaml", tie=False)
+    config = hf_models.write_config(tmp_path / "config.yaml", tie=False)
     hf_dir = shutil.copytree(hf_template, tmp_path / "hf")
     hf_json = json.loads((hf_dir / "config.json").read_text())
     if field == "rope_theta" and "rope_parameters" in hf_json:
@@ -210,7 +211,7 @@ def test_from_hf_config_mismatch_exits_2_naming_the_field(hf_template: Path, tmp
 
 
 def test_from_hf_rope_scaling_is_refused(hf_template: Path, tmp_path: Path):
-    config = write_config(tmp_path / "config.yaml", tie=False)
+    config = hf_models.write_config(tmp_path / "config.yaml", tie=False)
     hf_dir = shutil.copytree(hf_template, tmp_path / "hf")
     hf_json = json.loads((hf_dir / "config.json").read_text())
     hf_json["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
@@ -222,7 +223,7 @@ def test_from_hf_rope_scaling_is_refused(hf_template: Path, tmp_path: Path):
 
 
 def test_from_hf_without_config_json_exits_2(hf_template: Path, tmp_path: Path):
-    config = write_config(tmp_path / "config.yaml", tie=False)
+    config = hf_models.write_config(tmp_path / "config.yaml", tie=False)
     hf_dir = shutil.copytree(hf_template, tmp_path / "hf")
     (hf_dir / "config.json").unlink()
     out = tmp_path / "checkpoint"
@@ -233,8 +234,47 @@ def test_from_hf_without_config_json_exits_2(hf_template: Path, tmp_path: Path):
     assert not out.exists()
 
 
+def _not_json(hf_dir: Path) -> None:
+    (hf_dir / "config.json").write_text('{"model_type": "llama",\n')
+
+
+def _truncated_weights(hf_dir: Path) -> None:
+    weights = hf_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+
+
+@pytest.mark.parametrize(
+    ("damage", "words"),
+    [
+        (_not_json, ["config.json", "not a readable JSON file"]),
+        (_truncated_weights, ["model.safetensors", "unreadable safetensors file"]),
+    ],
+    ids=["config-not-json", "truncated-weights"],
+)
+def test_from_hf_damaged_folder_exits_2_naming_the_file(hf_template: Path, tmp_path: Path, damage, words):
+    config = hf_models.write_config(tmp_path / "config.yaml", tie=False)
+    hf_dir = shutil.copytree(hf_template, tmp_path / "hf")
+    damage(hf_dir)
+    out = tmp_path / "checkpoint"
+
+    result = convert(config, "--from-hf", str(hf_dir), "--out", str(out))
+
+    assert_one_line_error(result, *words, str(hf_dir))
+    assert not out.exists()
+
+
+def test_from_hf_out_that_is_a_file_exits_2(hf_template: Path, tmp_path: Path):
+    config = hf_models.write_config(tmp_path / "config.yaml", tie=False)
+    out = tmp_path / "checkpoint"
+    out.write_text("not a folder")
+
+    result = convert(config, "--from-hf", str(hf_template), "--out", str(out))
+
+    assert_one_line_error(result, str(out), "is a file")
+
+
 def test_to_hf_missing_checkpoint_exits_2(tmp_path: Path):
-    config = write_config(tmp_path / "config.yaml", tie=False)
+    config = hf_models.write_config(tmp_path / "config.yaml", tie=False)
     missing = tmp_path / "no_such_checkpoint"
 
     result = convert(config, "--to-hf", str(missing), "--out", str(tmp_path / "hf"))

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanotron_recover.data.corpus import CorpusWriter, TokenCorpus
+from nanotron_recover.data.corpus import INDEX_FILE, TOKENS_FILE, CorpusWriter, TokenCorpus
 from nanotron_recover.data.microbatches import (
     CorpusMicroBatches,
     MicroBatchSource,
@@ -174,10 +176,53 @@ def test_corpus_from_another_tokenizer_is_refused(local_dataset, tmp_path, monke
 
 
 def test_corpus_too_small_for_sequence_length(corpus_dir):
-    with pytest.raises(ValueError, match="sequence_length 100000"):
+    with pytest.raises(InputError, match="sequence_length 100000") as info:
         build_microbatch_source(
             corpus_dir, vocab_size=VOCAB, micro_batch_size=1, sequence_length=100_000, seed=0
         )
+    message = str(info.value)
+    assert "\n" not in message
+    assert str(corpus_dir / TOKENS_FILE) in message and "100001 needed" in message
+
+
+def copy_corpus(corpus_dir, tmp_path):
+    return shutil.copytree(corpus_dir, tmp_path / "copy")
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        (lambda d: (d / TOKENS_FILE).write_bytes((d / TOKENS_FILE).read_bytes()[:-4]), "truncated"),
+        (lambda d: (d / TOKENS_FILE).write_bytes((d / TOKENS_FILE).read_bytes()[:-1]), "not a whole number"),
+        (lambda d: (d / INDEX_FILE).unlink(), "is missing"),
+        (lambda d: (d / INDEX_FILE).write_text("{"), "not valid JSON"),
+        (lambda d: (d / INDEX_FILE).write_text('{"format_version": 1, "num_tokens": 4}'), "missing field"),
+    ],
+    ids=["truncated", "partial-token", "no-index", "index-not-json", "index-missing-keys"],
+)
+def test_a_damaged_corpus_is_refused_when_the_source_is_built(corpus_dir, tmp_path, damage, expected):
+    # At construction, not at the first get(): the trainer builds every stage's source at start-up.
+    folder = copy_corpus(corpus_dir, tmp_path)
+    damage(folder)
+    with pytest.raises(InputError, match=expected) as info:
+        build_microbatch_source(folder, vocab_size=VOCAB, micro_batch_size=1, sequence_length=L, seed=0)
+    assert "\n" not in str(info.value)
+    assert str(folder) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"micro_batch_size": 0}, "micro_batch_size must be a positive integer, got 0"),
+        ({"sequence_length": 0}, "sequence_length must be a positive integer, got 0"),
+        ({"seed": -1}, "seed must be a non-negative integer, got -1"),
+    ],
+)
+@pytest.mark.parametrize("synthetic", [True, False], ids=["synthetic", "corpus"])
+def test_bad_arguments_are_input_errors(corpus_dir, kwargs, expected, synthetic):
+    args = {"vocab_size": VOCAB, "micro_batch_size": 1, "sequence_length": L, "seed": 0, **kwargs}
+    with pytest.raises(InputError, match=expected):
+        build_microbatch_source(None if synthetic else corpus_dir, **args)
 
 
 def test_missing_dataset_folder(tmp_path):

@@ -95,6 +95,7 @@ def test_corpus_from_another_tokenizer_is_refused(tmp_path, local_dataset):
     for s in [
         *layout(1, 1, 1, 2),
         "tokens.train_steps=1",
+        "optimizer.learning_rate_scheduler.lr_warmup_steps=0",
         f"data_stages.0.data.dataset={{dataset_folder: {local_dataset.corpus_dir}}}",
         f"tokenizer.tokenizer_name_or_path={other}",
     ]:

@@ -1,9 +1,16 @@
-"""Cross-field checks: each returns one line that says what is wrong and what to change."""
+"""Cross-field checks: each raises one line that says what is wrong and what to change.
+
+Every check here reads only the config, so every rank that loads the same file reaches the same
+verdict before anything is started. A value is refused when training cannot run with it (or a
+fault could never fire), and the message names the key and the range it accepts.
+"""
 
 from __future__ import annotations
 
+import math
+
 from .loader import ConfigError
-from .schema import Config, HFDatasetArgs, TokenizedDatasetArgs
+from .schema import Config, FaultSpec, HFDatasetArgs, TokenizedDatasetArgs
 
 
 def validate_config(cfg: Config, check_paths: bool = True) -> None:
@@ -80,6 +87,7 @@ def validate_config(cfg: Config, check_paths: bool = True) -> None:
             f"optimizer.learning_rate_scheduler.lr_decay_steps must be >= 1 or null, got {sched.lr_decay_steps}: "
             "for a constant rate set lr_decay_style: constant"
         )
+    _validate_optimizer(cfg)
     init = cfg.model.init_method
     if (init.std is None) == (init.path is None):
         raise ConfigError("model.init_method must set exactly one of std (random init) or path (checkpoint)")
@@ -105,6 +113,13 @@ def validate_config(cfg: Config, check_paths: bool = True) -> None:
     if len(set(starts)) != len(starts):
         raise ConfigError(f"data_stages: two stages share a start_training_step ({sorted(starts)})")
     for i, stage in enumerate(cfg.data_stages):
+        # Micro-batches are drawn from numpy SeedSequences, which take no negative seed.
+        if stage.data.seed is not None and stage.data.seed < 0:
+            raise ConfigError(f"data_stages[{i}].data.seed must be >= 0 or null, got {stage.data.seed}")
+        if stage.data.seed is None and cfg.general.seed < 0:
+            raise ConfigError(
+                f"general.seed must be >= 0 (data_stages[{i}] draws its data with it), got {cfg.general.seed}"
+            )
         ds = stage.data.dataset
         where = f"data_stages[{i}].data.dataset"
         if isinstance(ds, HFDatasetArgs):
@@ -130,7 +145,50 @@ def check_world_size(cfg: Config, world_size: int) -> None:
 
 
 # Points of a plain (checkpoint-restart) step where a fault can be injected.
-PLAIN_PHASES = ("forward", "backward", "reduce", "optimizer")
+PLAIN_PHASES = ("forward", "backward", "reduce", "optimizer", "save")
+# Fault kinds a checkpoint-restart run can inject: it recovers only from a dead rank (a relaunch);
+# a frozen rank or an exception in its step is what forward recovery's detectors are for.
+PLAIN_KINDS = ("kill",)
+# Phases in which micro-batches are computed, the only ones where a kind: error fault can fire.
+ERROR_PHASES = ("forward", "backward", "recovery")
+
+
+def _positive(value: float) -> bool:
+    """``value > 0`` and finite; NaN compares false with everything, so it fails too."""
+    return value > 0 and math.isfinite(value)
+
+
+def _validate_optimizer(cfg: Config) -> None:
+    """Ranges of the optimizer and its learning-rate schedule (values the update cannot use)."""
+    opt, sched, steps = cfg.optimizer, cfg.optimizer.learning_rate_scheduler, cfg.tokens.train_steps
+    where = "optimizer.learning_rate_scheduler"
+    if not _positive(sched.learning_rate):
+        raise ConfigError(f"{where}.learning_rate must be > 0, got {sched.learning_rate}")
+    if not 0 <= sched.min_decay_lr <= sched.learning_rate:
+        raise ConfigError(
+            f"{where}.min_decay_lr must be between 0 and learning_rate={sched.learning_rate}, "
+            f"got {sched.min_decay_lr}"
+        )
+    if sched.lr_warmup_steps > steps:
+        raise ConfigError(
+            f"{where}.lr_warmup_steps={sched.lr_warmup_steps} is longer than the run "
+            f"(tokens.train_steps={steps}): choose lr_warmup_steps between 0 and {steps}"
+        )
+    if sched.lr_decay_starting_step is not None and sched.lr_decay_starting_step < 0:
+        raise ConfigError(
+            f"{where}.lr_decay_starting_step must be >= 0 or null, got {sched.lr_decay_starting_step}"
+        )
+    if opt.clip_grad is not None and not _positive(opt.clip_grad):
+        raise ConfigError(f"optimizer.clip_grad must be > 0, or null for no clipping, got {opt.clip_grad}")
+    if not (opt.weight_decay >= 0 and math.isfinite(opt.weight_decay)):
+        raise ConfigError(f"optimizer.weight_decay must be >= 0, got {opt.weight_decay}")
+    factory = opt.optimizer_factory
+    for name in ("adam_beta1", "adam_beta2"):
+        beta = getattr(factory, name)
+        if not 0 <= beta < 1:
+            raise ConfigError(f"optimizer.optimizer_factory.{name} must be in [0, 1), got {beta}")
+    if not _positive(factory.adam_eps):
+        raise ConfigError(f"optimizer.optimizer_factory.adam_eps must be > 0, got {factory.adam_eps}")
 
 
 def _validate_recover(cfg: Config) -> None:
@@ -141,21 +199,20 @@ def _validate_recover(cfg: Config) -> None:
         raise ConfigError(f"recover.min_replicas={r.min_replicas} must be between 1 and parallelism.dp={dp}")
     if r.gate_timeout_s <= 0:
         raise ConfigError("recover.gate_timeout_s must be > 0")
-    world = cfg.world_size
+    if r.watchdog_timeout_s is not None and not _positive(r.watchdog_timeout_s):
+        raise ConfigError(
+            f"recover.watchdog_timeout_s must be > 0, or null for no watchdog, got {r.watchdog_timeout_s}"
+        )
+    if not _positive(r.heartbeat_period_s):
+        raise ConfigError(f"recover.heartbeat_period_s must be > 0, got {r.heartbeat_period_s}")
+    if not r.heartbeat_timeout_s > r.heartbeat_period_s:
+        raise ConfigError(
+            f"recover.heartbeat_timeout_s={r.heartbeat_timeout_s} must be greater than "
+            f"recover.heartbeat_period_s={r.heartbeat_period_s}: a rank is declared failed after a "
+            "timeout without heartbeats, so a timeout within one period would declare healthy ranks failed"
+        )
     for i, f in enumerate(r.faults):
-        where = f"recover.faults[{i}]"
-        if (f.replica is None) == (f.rank is None):
-            raise ConfigError(f"{where}: set exactly one of replica or rank")
-        if f.replica is not None and not 0 <= f.replica < dp:
-            raise ConfigError(f"{where}: replica {f.replica} does not exist (parallelism.dp={dp})")
-        if f.rank is not None and not 0 <= f.rank < world:
-            raise ConfigError(f"{where}: rank {f.rank} does not exist (world size {world})")
-        if not 1 <= f.step <= cfg.tokens.train_steps:
-            raise ConfigError(
-                f"{where}: step {f.step} is outside 1..tokens.train_steps={cfg.tokens.train_steps}"
-            )
-        if f.microbatch < 0:
-            raise ConfigError(f"{where}: microbatch must be >= 0")
+        _validate_fault(cfg, f, f"recover.faults[{i}]")
     rf = r.random_faults
     if rf is not None:
         if rf.every_steps < 1:
@@ -173,7 +230,72 @@ def _validate_recover(cfg: Config) -> None:
                     f"recover.faults[{i}]: phase {f.phase!r} does not exist in checkpoint_restart mode "
                     f"(choose {', '.join(PLAIN_PHASES)})"
                 )
+            if f.kind not in PLAIN_KINDS:
+                raise ConfigError(
+                    f"recover.faults[{i}]: kind {f.kind!r} is not supported in checkpoint_restart mode, "
+                    "which recovers only from dead ranks: use kind: kill, or recover.mode: forward"
+                )
         if r.max_restarts < 0:
             raise ConfigError("recover.max_restarts must be >= 0")
     if (r.faults or rf is not None) and not r.enabled:
         raise ConfigError("recover.faults / recover.random_faults need recover.enabled: true")
+
+
+def _validate_fault(cfg: Config, f: FaultSpec, where: str) -> None:
+    """One ``recover.faults`` entry: its victim, its step and phase, and the fields its kind uses."""
+    dp, world, steps = cfg.parallelism.dp, cfg.world_size, cfg.tokens.train_steps
+    if not 1 <= f.step <= steps:
+        raise ConfigError(f"{where}: step {f.step} is outside 1..tokens.train_steps={steps}")
+    if f.kind == "error":
+        # The exception follows the micro-batch, not a process: whoever computes id raises it.
+        if f.replica is not None or f.rank is not None:
+            raise ConfigError(
+                f"{where}: kind error fires in whichever replica computes micro-batch id; "
+                "remove replica and rank"
+            )
+        b = cfg.microbatches_per_step
+        first, end = (f.step - 1) * b, f.step * b
+        if f.id is None:
+            raise ConfigError(
+                f"{where}: kind error needs id, the global micro-batch id to fail: "
+                f"step {f.step} computes ids {first}..{end - 1}"
+            )
+        if not first <= f.id < end:
+            raise ConfigError(
+                f"{where}: id {f.id} is not computed in step {f.step}: choose id in [{first}, {end}) "
+                f"(parallelism.dp * tokens.batch_accumulation_per_replica = {b} micro-batches per step)"
+            )
+        if f.phase not in ERROR_PHASES:
+            raise ConfigError(
+                f"{where}: kind error fires while a micro-batch is computed, so phase must be one of "
+                f"{', '.join(ERROR_PHASES)}, got {f.phase!r}"
+            )
+        if f.microbatch != 0:
+            raise ConfigError(f"{where}: microbatch is not used by kind error (id names the micro-batch)")
+    else:
+        if (f.replica is None) == (f.rank is None):
+            raise ConfigError(f"{where}: set exactly one of replica or rank")
+        if f.replica is not None and not 0 <= f.replica < dp:
+            raise ConfigError(f"{where}: replica {f.replica} does not exist (parallelism.dp={dp})")
+        if f.rank is not None and not 0 <= f.rank < world:
+            raise ConfigError(f"{where}: rank {f.rank} does not exist (world size {world})")
+        if f.id is not None:
+            raise ConfigError(
+                f"{where}: id is only for kind error; kind {f.kind} picks its victim with replica or rank"
+            )
+        if f.persistent:
+            raise ConfigError(f"{where}: persistent is only for kind error; remove it from kind {f.kind}")
+        if f.microbatch < 0:
+            raise ConfigError(f"{where}: microbatch must be >= 0")
+    if f.phase == "save":
+        interval = cfg.checkpoints.checkpoint_interval
+        if interval < 1:
+            raise ConfigError(
+                f"{where}: phase save needs periodic checkpoints: set checkpoints.checkpoint_interval >= 1"
+            )
+        if f.step % interval:
+            raise ConfigError(
+                f"{where}: phase save at step {f.step} would never fire: checkpoints are saved every "
+                f"checkpoints.checkpoint_interval={interval} steps, so choose a step that is a multiple "
+                f"of {interval}"
+            )

@@ -30,8 +30,11 @@ interrupted writer can be continued:
 * An interrupted writer (exception, or ``close(complete=False)``) leaves the index of its last
   commit, never counts that are ahead of the caller's resume record.
 
-:func:`validate_corpus` is the training-time check that a corpus fits the model: vocabulary
-size, and (optionally) that it was made with the configured tokenizer.
+:meth:`TokenCorpus.open` checks a folder fully before anything is read from it (both files, a
+complete and well-typed index, a ``tokens.bin`` of exactly the indexed size) and
+:func:`validate_corpus` checks that a corpus fits the model: vocabulary size, and (optionally)
+that it was made with the configured tokenizer. Each failure is an
+:class:`~nanotron_recover.errors.InputError` whose message is one line naming the file.
 """
 
 from __future__ import annotations
@@ -99,11 +102,12 @@ class CorpusIndex:
 
     @classmethod
     def from_json(cls, text: str) -> CorpusIndex:
+        """Parse an index; a ValueError (one line) says what is wrong with it."""
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError(f"corpus index must be a JSON object, got {type(data).__name__}")
         version = data.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
+        if not _is_int(version) or version > FORMAT_VERSION:
             raise ValueError(
                 f"unsupported corpus format_version {version!r} (this code reads <= {FORMAT_VERSION})"
             )
@@ -112,6 +116,7 @@ class CorpusIndex:
         missing = [name for name in required if name not in data]
         if missing:
             raise ValueError(f"corpus index is missing field(s): {', '.join(missing)}")
+        _check_index_types(data)
         kwargs = {k: v for k, v in data.items() if k in known}
         extra = {k: v for k, v in data.items() if k not in known}
         return cls(**kwargs, extra=extra)
@@ -131,6 +136,45 @@ class CorpusIndex:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# The dtypes a writer can choose (see dtype_for_vocab); anything else is a corrupt index.
+_DTYPES = ("uint16", "uint32")
+
+
+def _check_index_types(data: dict[str, Any]) -> None:
+    """Refuse an index whose known fields have the wrong type or range: readers trust them blindly."""
+    for name in ("num_tokens", "num_documents", "eos_token_id"):
+        if not _is_int(data[name]) or data[name] < 0:
+            raise ValueError(f"{name} must be a whole number >= 0, got {data[name]!r}")
+    if not _is_int(data["vocab_size"]) or data["vocab_size"] < 1:
+        raise ValueError(f"vocab_size must be a whole number >= 1, got {data['vocab_size']!r}")
+    if data["dtype"] not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {data['dtype']!r}")
+    if not isinstance(data["tokenizer"], str):
+        raise ValueError(f"tokenizer must be a string, got {data['tokenizer']!r}")
+    if not isinstance(data.get("complete", True), bool):
+        raise ValueError(f"complete must be true or false, got {data['complete']!r}")
+    fingerprint = data.get("tokenizer_fingerprint")
+    if fingerprint is not None and not isinstance(fingerprint, str):
+        raise ValueError(f"tokenizer_fingerprint must be a string or null, got {fingerprint!r}")
+    for name in ("source", "resume"):
+        if data.get(name) is not None and not isinstance(data[name], dict):
+            raise ValueError(f"{name} must be a mapping or null, got {data[name]!r}")
+
+
+def _one_line(text: str) -> str:
+    """``text`` with every run of whitespace (newlines included) as one space: errors are one line."""
+    return " ".join(str(text).split())
+
+
+class CorpusNotFoundError(InputError, FileNotFoundError):
+    """A corpus folder or one of its files does not exist (also a FileNotFoundError, for callers that
+    treat a missing corpus like any missing file)."""
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -374,34 +418,79 @@ class TokenCorpus:
 
     @classmethod
     def open(cls, folder: str | Path) -> TokenCorpus:
+        """Open ``folder`` after checking all of it; a bad corpus is an :class:`InputError` naming the file.
+
+        Everything a reader relies on is checked here, before any sample is read: both files exist,
+        the index is a complete, well-typed index of this format, its dtype fits its vocabulary,
+        and ``tokens.bin`` holds exactly ``num_tokens`` whole tokens. The checks read only the
+        index and the file's size, so they cost the same on a 100-token and a 100-billion-token
+        corpus, and every rank that opens the same folder reaches the same verdict.
+        """
         folder = Path(folder)
         if not folder.is_dir():
-            raise FileNotFoundError(
+            if folder.exists():
+                raise InputError(
+                    f"corpus folder {folder} is not a folder: point dataset_folder at the "
+                    "output folder of `nanotron-recover preprocess`"
+                )
+            raise CorpusNotFoundError(
                 f"corpus folder {folder} does not exist: run `nanotron-recover preprocess --out {folder}` first"
             )
         index_path = folder / INDEX_FILE
         tokens_path = folder / TOKENS_FILE
         if not index_path.is_file():
-            raise FileNotFoundError(f"corpus index {index_path} is missing")
+            raise CorpusNotFoundError(
+                f"corpus index {index_path} is missing: {folder} is not a finished "
+                "`nanotron-recover preprocess` output"
+            )
         if not tokens_path.is_file():
-            raise FileNotFoundError(f"corpus tokens file {tokens_path} is missing")
+            raise CorpusNotFoundError(
+                f"corpus tokens file {tokens_path} is missing: re-run `nanotron-recover preprocess`"
+            )
         try:
-            index = CorpusIndex.read(folder)
-        except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
-            raise ValueError(f"corpus index {index_path} is corrupt: {e}") from None
+            text = index_path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"corpus index {index_path} cannot be read: {_one_line(e)}") from None
+        try:
+            index = CorpusIndex.from_json(text)
+        except json.JSONDecodeError as e:
+            raise InputError(
+                f"corpus index {index_path} is corrupt: not valid JSON ({_one_line(e)}); "
+                "re-run `nanotron-recover preprocess`"
+            ) from None
+        except (ValueError, TypeError) as e:
+            raise InputError(
+                f"corpus index {index_path} is corrupt: {_one_line(e)}; re-run `nanotron-recover preprocess`"
+            ) from None
         if not index.complete:
-            raise ValueError(
-                f"corpus {folder} is incomplete: preprocessing did not finish (re-run `nanotron-recover preprocess`)"
+            raise InputError(
+                f"corpus {folder} is incomplete: preprocessing did not finish (re-run `nanotron-recover "
+                f"preprocess` to resume it; {index_path} says complete: false)"
             )
         dtype = np.dtype(index.dtype)
         if dtype != dtype_for_vocab(index.vocab_size):
-            raise ValueError(
-                f"corpus index {index_path} is corrupt: dtype {dtype} for vocab {index.vocab_size}"
+            raise InputError(
+                f"corpus index {index_path} is corrupt: dtype {dtype} for vocab {index.vocab_size} "
+                f"(a writer uses {dtype_for_vocab(index.vocab_size)})"
+            )
+        if not index.eos_token_id < index.vocab_size:
+            raise InputError(
+                f"corpus index {index_path} is corrupt: eos_token_id {index.eos_token_id} is outside "
+                f"the vocabulary [0, {index.vocab_size})"
             )
         expected = index.num_tokens * dtype.itemsize
-        actual = tokens_path.stat().st_size
+        try:
+            actual = tokens_path.stat().st_size
+        except OSError as e:
+            raise InputError(f"corpus tokens file {tokens_path} cannot be read: {_one_line(e)}") from None
+        if actual % dtype.itemsize:
+            raise InputError(
+                f"corpus tokens file {tokens_path} is truncated or corrupt: {actual} bytes is not a whole "
+                f"number of {dtype.itemsize}-byte {dtype} tokens (index {index_path} says "
+                f"{index.num_tokens} tokens = {expected} bytes)"
+            )
         if actual != expected:
-            raise ValueError(
+            raise InputError(
                 f"corpus tokens file {tokens_path} is truncated or corrupt: {actual} bytes, "
                 f"index says {index.num_tokens} tokens x {dtype.itemsize} bytes = {expected}"
             )
@@ -409,7 +498,10 @@ class TokenCorpus:
             # np.memmap refuses empty files; an empty array behaves identically for reads.
             tokens: np.ndarray = np.empty(0, dtype=dtype)
         else:
-            tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(index.num_tokens,))
+            try:
+                tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(index.num_tokens,))
+            except OSError as e:
+                raise InputError(f"corpus tokens file {tokens_path} cannot be read: {_one_line(e)}") from None
         return cls(folder, index, tokens)
 
     @property
@@ -436,12 +528,13 @@ class TokenCorpus:
         return max(0, (self.num_tokens - 1) // sequence_length)
 
     def require_samples(self, sequence_length: int) -> int:
-        """:meth:`num_samples`, but a corpus too small for even one sample is a ValueError."""
+        """:meth:`num_samples`, but a corpus too small for even one sample is an :class:`InputError`."""
         n = self.num_samples(sequence_length)
         if n < 1:
-            raise ValueError(
-                f"corpus {self.folder} has {self.num_tokens} tokens, fewer than the "
-                f"{sequence_length + 1} needed for one sample of sequence_length {sequence_length}"
+            raise InputError(
+                f"corpus tokens file {self.folder / TOKENS_FILE} holds {self.num_tokens} tokens, fewer than "
+                f"the {sequence_length + 1} needed for one sample of tokens.sequence_length {sequence_length}: "
+                "lower tokens.sequence_length or preprocess more text into the corpus"
             )
         return n
 

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from nanotron_recover.data.corpus import TokenCorpus, validate_corpus
+from nanotron_recover.errors import InputError
 
 # Mixed into the synthetic generator's seed so that a synthetic stream never coincides with
 # the permutation stream of a corpus source that uses the same user seed.
@@ -59,15 +60,16 @@ def _is_int(value: object) -> bool:
 
 
 def _check_positive(**values: int) -> None:
+    # These come from the config: an InputError is reported as one line, like the config's own checks.
     for name, value in values.items():
         if not _is_int(value) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise InputError(f"{name} must be a positive integer, got {value!r}")
 
 
 def _check_seed(seed: int) -> None:
     # SeedSequence only takes non-negative entropy; reject rather than silently remap.
     if not _is_int(seed) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        raise InputError(f"seed must be a non-negative integer, got {seed!r}")
 
 
 def _check_id(microbatch_id: int) -> int:
@@ -163,12 +165,26 @@ def build_microbatch_source(
 ) -> MicroBatchSource:
     """The source the config asks for: synthetic when ``dataset_folder`` is None, else the corpus there.
 
-    A corpus is first checked with :func:`~nanotron_recover.data.corpus.validate_corpus`: its
-    vocabulary must fit ``vocab_size`` and, when ``tokenizer_name_or_path`` is given (config
-    ``validate_tokenizer: true``), it must have been made with that tokenizer.
+    Every check happens here, none at the first :meth:`~MicroBatchSource.get`, so a trainer that
+    builds its sources at start-up refuses bad data before training, identically on every rank.
+    Each failure is an :class:`~nanotron_recover.errors.InputError` whose message is one line
+    naming the file or the setting to change:
+
+    * the corpus folder or one of its files is missing (also a ``FileNotFoundError``), or the
+      index is unreadable, not JSON, misses keys, or is incomplete (:meth:`TokenCorpus.open`);
+    * ``tokens.bin`` is truncated: not a whole number of tokens, or not the index's token count;
+    * the corpus vocabulary exceeds ``vocab_size``, or, when ``tokenizer_name_or_path`` is given
+      (config ``validate_tokenizer: true``), the corpus was made with another tokenizer
+      (:func:`~nanotron_recover.data.corpus.validate_corpus`);
+    * the corpus is too small for one sample of ``sequence_length + 1`` tokens;
+    * ``micro_batch_size``, ``sequence_length`` or ``vocab_size`` is not a positive integer, or
+      ``seed`` is negative.
     """
     if dataset_folder is None:
         return SyntheticMicroBatches(vocab_size, micro_batch_size, sequence_length, seed)
+    _check_positive(vocab_size=vocab_size, micro_batch_size=micro_batch_size, sequence_length=sequence_length)
+    _check_seed(seed)
     corpus = TokenCorpus.open(dataset_folder)
     validate_corpus(corpus, tokenizer_name_or_path=tokenizer_name_or_path, vocab_size=vocab_size)
+    # The constructor checks that the corpus holds at least one sample.
     return CorpusMicroBatches(corpus, micro_batch_size, sequence_length, seed)
