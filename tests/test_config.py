@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from nanotron_example import NANOTRON, NANOTRON_FIXES
 
 from nanotron_recover.config import (
     Config,
@@ -21,17 +22,13 @@ from nanotron_recover.config import (
     load_config,
 )
 from nanotron_recover.config.loader import load_yaml
+from nanotron_recover.config.validate import FIXED_FIELDS
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_cpu.yaml"
-NANOTRON = Path(__file__).resolve().parent / "data" / "nanotron_config_tiny_llama.yaml"
-# What the Nanotron example needs to pass validation here: no sequence parallelism, and no
-# on-the-fly Hugging Face datasets (null = synthetic tokens).
-NANOTRON_FIXES = [
-    "parallelism.tp_mode=ALL_REDUCE",
-    "data_stages.0.data.dataset=null",
-    "data_stages.1.data.dataset=null",
-]
+# What the Nanotron example needs to pass validation here: no sequence parallelism, no on-the-fly
+# Hugging Face datasets (null = synthetic tokens), no asynchronous tensor-parallel linears, and a
+# checkpoint folder on a shared file system.
 
 
 def tiny(*overrides: str, check_paths: bool = True) -> Config:
@@ -106,7 +103,24 @@ def test_nanotron_example_checks_every_stage_for_hf_datasets():
         load_config(NANOTRON, NANOTRON_FIXES[:2])
 
 
-def test_nanotron_example_validates_after_the_two_fixes():
+def test_nanotron_example_refuses_async_tensor_parallel_linears_after_the_data_fixes():
+    with pytest.raises(ConfigError) as info:
+        load_config(NANOTRON, NANOTRON_FIXES[:3])
+    assert str(info.value) == (
+        "parallelism.tp_linear_async_communication=true is not supported: asynchronous "
+        "tensor-parallel linears are not implemented; set false"
+    )
+
+
+def test_nanotron_example_refuses_a_checkpoint_folder_that_is_not_shared():
+    with pytest.raises(ConfigError) as info:
+        load_config(NANOTRON, NANOTRON_FIXES[:4])
+    assert str(info.value).startswith(
+        "checkpoints.checkpoints_path_is_shared_file_system=false is not supported: "
+    )
+
+
+def test_nanotron_example_validates_after_the_fixes():
     cfg = load_config(NANOTRON, NANOTRON_FIXES)
 
     assert cfg.parallelism.tp_mode == "ALL_REDUCE"
@@ -281,7 +295,7 @@ def test_yaml_top_level_must_be_a_mapping(tmp_path: Path, text: str):
         (["parallelism.pp=-1"], "parallelism.pp must be >= 1, got -1"),
         (
             ["parallelism.expert_parallel_size=2"],
-            "parallelism.expert_parallel_size must be 1: LLaMA has no experts",
+            "parallelism.expert_parallel_size=2 is not supported: LLaMA has no experts; set 1",
         ),
         (
             ["model.model_config.hidden_size=66"],
@@ -326,9 +340,14 @@ def test_yaml_top_level_must_be_a_mapping(tmp_path: Path, text: str):
         ),
         (
             ["model.model_config.rope_scaling={type: linear, factor: 2.0}"],
-            "model_config.rope_scaling is not supported: set it to null",
+            "model.model_config.rope_scaling={type: linear, factor: 2.0} is not supported: "
+            "RoPE scaling is not implemented; set null",
         ),
-        (["model.model_config.pretraining_tp=2"], "model_config.pretraining_tp must be 1"),
+        (
+            ["model.model_config.pretraining_tp=2"],
+            "model.model_config.pretraining_tp=2 is not supported: the sliced linears that emulate "
+            "pre-training tensor parallelism are not implemented; set 1",
+        ),
         (
             ["tokens.sequence_length=257"],
             "tokens.sequence_length=257 exceeds model_config.max_position_embeddings=256",
@@ -695,6 +714,209 @@ def test_check_world_size_refuses_any_other_count(world_size: int):
     assert str(info.value) == (
         f"world size {world_size} != tp*pp*dp = 2*2*3 = 12: launch 12 ranks or change parallelism"
     )
+
+
+# -- Nanotron fields with one implemented behaviour ------------------------------------------------
+# Each row: an override, then a piece of the one-line refusal, which names the field, the value
+# given, why it cannot take effect and the value that runs.
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("general.step=100", "general.step=100 is not supported: a run starts at step 0 or at the step"),
+        ("general.consumed_train_samples=6400", "general.consumed_train_samples=6400 is not supported: "),
+        (
+            "general.benchmark_csv_path=bench.csv",
+            "general.benchmark_csv_path=bench.csv is not supported: no benchmark CSV is written; "
+            "throughput is in <run_dir>/metrics.jsonl (tokens_per_s); set null",
+        ),
+        (
+            "general.ignore_sanity_checks=false",
+            "general.ignore_sanity_checks=false is not supported: Nanotron's debug sanity checks "
+            "are not implemented",
+        ),
+        (
+            "parallelism.tp_linear_async_communication=true",
+            "parallelism.tp_linear_async_communication=true is not supported: asynchronous "
+            "tensor-parallel linears are not implemented; set false",
+        ),
+        (
+            "parallelism.recompute_layer=true",
+            "parallelism.recompute_layer=true is not supported: activation recomputation is not "
+            "implemented (all activations are kept); set false",
+        ),
+        (
+            "model.ddp_bucket_cap_mb=100",
+            "model.ddp_bucket_cap_mb=100 is not supported: plain mode all-reduces the gradients as one "
+            "flat buffer; recover mode's bucket size is recover.bucket_size_mb; set 25",
+        ),
+        (
+            "model.model_config.is_llama_config=false",
+            "model.model_config.is_llama_config=false is not supported: this engine trains LLaMA "
+            "models only; set true",
+        ),
+        (
+            "model.model_config.use_cache=false",
+            "model.model_config.use_cache=false is not supported: training uses no KV cache",
+        ),
+        (
+            "tokens.val_check_interval=100",
+            "tokens.val_check_interval=100 is not supported: no validation runs during training "
+            "(score a checkpoint with `nanotron-recover eval`); set -1",
+        ),
+        ("tokens.val_check_interval=0", "tokens.val_check_interval=0 is not supported: "),
+        (
+            "tokens.limit_val_batches=4",
+            "tokens.limit_val_batches=4 is not supported: no validation runs during training; set 0",
+        ),
+        (
+            "tokens.limit_test_batches=4",
+            "tokens.limit_test_batches=4 is not supported: no test runs during training; set 0",
+        ),
+        (
+            "optimizer.accumulate_grad_in_fp32=false",
+            "optimizer.accumulate_grad_in_fp32=false is not supported: gradients are always "
+            "accumulated in an fp32 buffer (the recovery snapshots it); set true",
+        ),
+        (
+            "checkpoints.checkpoints_path_is_shared_file_system=false",
+            "checkpoints.checkpoints_path_is_shared_file_system=false is not supported: every rank "
+            "writes into one checkpoint folder that rank 0 creates and publishes; set true",
+        ),
+        (
+            "checkpoints.load_lr_scheduler=false",
+            "checkpoints.load_lr_scheduler=false is not supported: the learning rate is recomputed "
+            "from the step, so a resume always continues the schedule; set true",
+        ),
+        (
+            "logging.log_level=debug",
+            "logging.log_level=debug is not supported: console output has no levels; set info",
+        ),
+        (
+            "logging.log_level_replica=warning",
+            "logging.log_level_replica=warning is not supported: console output has no levels; set info",
+        ),
+        (
+            "tokenizer.tokenizer_revision=main",
+            "tokenizer.tokenizer_revision=main is not supported: corpora are tokenized by "
+            "`nanotron-recover preprocess`, which loads the default revision; set null",
+        ),
+        (
+            "tokenizer.tokenizer_max_length=2048",
+            "tokenizer.tokenizer_max_length=2048 is not supported: documents are packed into samples "
+            "of tokens.sequence_length tokens; set null",
+        ),
+        (
+            "kill_switch_path=/tmp/stop_training",
+            "kill_switch_path=/tmp/stop_training is not supported: training does not watch for a stop "
+            "file; set null",
+        ),
+        (
+            "data_stages.0.data.num_loading_workers=8",
+            "data_stages[0].data.num_loading_workers=8 is not supported: micro-batches are read in the "
+            "training process, without loader workers; set 0 or 1",
+        ),
+        (
+            "data_stages.0.data.num_loading_workers=-1",
+            "data_stages[0].data.num_loading_workers=-1 is not supported: ",
+        ),
+    ],
+)
+def test_unimplemented_value_is_refused_in_one_line(override: str, expected: str):
+    message = tiny_error(override)
+    assert "\n" not in message
+    assert expected in message
+    _, value = override.split("=", 1)
+    assert value in message
+
+
+def test_every_fixed_field_accepts_its_schema_default():
+    # The value that runs is the Nanotron default, so a config that leaves the field out loads.
+    cfg = Config()
+    for key, get, allowed, _ in FIXED_FIELDS:
+        assert get(cfg) in allowed, key
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [
+            "general.step=null",
+            "general.consumed_train_samples=null",
+            "general.benchmark_csv_path=null",
+            "general.ignore_sanity_checks=true",
+            "parallelism.tp_linear_async_communication=false",
+            "parallelism.recompute_layer=false",
+            "parallelism.expert_parallel_size=1",
+            "model.ddp_bucket_cap_mb=25",
+            "model.model_config.is_llama_config=true",
+            "model.model_config.use_cache=true",
+            "model.model_config.pretraining_tp=1",
+            "model.model_config.rope_scaling=null",
+            "tokens.val_check_interval=-1",
+            "tokens.limit_val_batches=0",
+            "tokens.limit_test_batches=0",
+            "optimizer.accumulate_grad_in_fp32=true",
+            "checkpoints.checkpoints_path_is_shared_file_system=true",
+            "checkpoints.load_lr_scheduler=true",
+            "logging.log_level=info",
+            "logging.log_level_replica=info",
+            "tokenizer.tokenizer_revision=null",
+            "tokenizer.tokenizer_max_length=null",
+            "kill_switch_path=null",
+        ],
+        ["data_stages.0.data.num_loading_workers=0"],
+        ["data_stages.0.data.num_loading_workers=1"],
+        # Sequence parallelism over a single tensor-parallel rank is plain tensor parallelism.
+        ["parallelism.tp=1", "parallelism.tp_mode=REDUCE_SCATTER"],
+        # A larger bucket for the recovery is set where it takes effect.
+        ["recover.enabled=true", "recover.bucket_size_mb=100"],
+    ],
+)
+def test_neutral_values_load(overrides: list[str]):
+    tiny(*overrides)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.model_config.hidden_size=0", "model.model_config.hidden_size must be >= 1, got 0"),
+        (
+            "model.model_config.intermediate_size=0",
+            "model.model_config.intermediate_size must be >= 1, got 0",
+        ),
+        (
+            "model.model_config.num_attention_heads=0",
+            "model.model_config.num_attention_heads must be >= 1, got 0",
+        ),
+        (
+            "model.model_config.num_hidden_layers=0",
+            "model.model_config.num_hidden_layers must be >= 1, got 0",
+        ),
+        ("model.model_config.vocab_size=-2", "model.model_config.vocab_size must be >= 1, got -2"),
+        (
+            "model.model_config.max_position_embeddings=0",
+            "model.model_config.max_position_embeddings must be >= 1, got 0",
+        ),
+        (
+            "model.model_config.num_key_value_heads=0",
+            "model.model_config.num_key_value_heads must be >= 1, or null for one per attention head, got 0",
+        ),
+        ("model.make_vocab_size_divisible_by=0", "model.make_vocab_size_divisible_by must be >= 1, got 0"),
+        ("model.model_config.rms_norm_eps=0", "model.model_config.rms_norm_eps must be > 0, got 0.0"),
+        ("model.model_config.rope_theta=-1", "model.model_config.rope_theta must be > 0, got -1.0"),
+        (
+            "model.model_config.hidden_size=12",
+            "model.model_config: head dimension hidden_size/num_attention_heads = 3 must be even "
+            "(rotary embeddings rotate pairs of dimensions)",
+        ),
+        (
+            "logging.iteration_step_info_interval=0",
+            "logging.iteration_step_info_interval must be >= 1 (print every that many steps), got 0",
+        ),
+    ],
+)
+def test_model_size_and_logging_interval_ranges(override: str, message: str):
+    assert tiny_error(override) == message
 
 
 # -- --set overrides -------------------------------------------------------------------------------

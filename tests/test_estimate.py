@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from nanotron_example import NANOTRON, NANOTRON_FIXES
 
 from nanotron_recover.config import Config, LlamaConfig, load_config
 from nanotron_recover.estimate import estimate_stage, plan_summary
@@ -13,7 +14,6 @@ from nanotron_recover.models.llama import LlamaStage, count_parameters
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_cpu.yaml"
-NANOTRON = Path(__file__).resolve().parent / "data" / "nanotron_config_tiny_llama.yaml"
 LLAMA_7B = [
     "model.model_config.hidden_size=4096",
     "model.model_config.intermediate_size=11008",
@@ -29,12 +29,7 @@ LLAMA_7B = [
 
 
 def config(*overrides: str, base: Path = TINY) -> Config:
-    fixes = [
-        "parallelism.tp_mode=ALL_REDUCE",
-        "data_stages.0.data.dataset=null",
-        "data_stages.1.data.dataset=null",
-    ]
-    return load_config(base, (fixes if base == NANOTRON else []) + list(overrides))
+    return load_config(base, (NANOTRON_FIXES if base == NANOTRON else []) + list(overrides))
 
 
 def llama_7b(*overrides: str) -> Config:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nanotron_example import NANOTRON, NANOTRON_FIXES
 
 from nanotron_recover.config import LRSchedulerArgs, load_config
 from nanotron_recover.optim import lr_at
@@ -110,15 +110,7 @@ def test_constant_decay_style_keeps_the_peak():
 
 
 def test_nanotron_example_schedule():
-    path = Path(__file__).resolve().parent / "data" / "nanotron_config_tiny_llama.yaml"
-    cfg = load_config(
-        path,
-        [
-            "parallelism.tp_mode=ALL_REDUCE",
-            "data_stages.0.data.dataset=null",
-            "data_stages.1.data.dataset=null",
-        ],
-    )
+    cfg = load_config(NANOTRON, NANOTRON_FIXES)
     args, steps = cfg.optimizer.learning_rate_scheduler, cfg.tokens.train_steps
     values = [lr_at(k, args, steps) for k in range(steps)]
     assert values[0] == pytest.approx(1.5e-4, rel=1e-12)

@@ -1,8 +1,9 @@
 """The config schema: Nanotron's YAML sections plus one ``recover:`` section.
 
-Field names follow Nanotron's ``Config`` so a Nanotron example config loads unchanged. Sections
-this engine does not use (``lighteval``, ``profiler``) are accepted only when null, so nothing
-configured is ever silently ignored.
+Field names follow Nanotron's ``Config`` so a Nanotron example config parses unchanged. Sections
+this engine does not use (``lighteval``, ``profiler``) are accepted only when null, and a field with
+one implemented behaviour accepts only that value (``validate.FIXED_FIELDS``), so nothing configured
+is ever silently ignored.
 """
 
 from __future__ import annotations
@@ -197,7 +198,7 @@ class TokenizerArgs:
     tokenizer_max_length: int | None = None
 
 
-Phase = Literal["forward", "backward", "gate", "reduce", "optimizer", "recovery", "save"]
+Phase = Literal["forward", "backward", "gate", "reduce", "agree", "optimizer", "recovery", "save"]
 
 
 @dataclass

@@ -3,11 +3,20 @@
 Every check here reads only the config, so every rank that loads the same file reaches the same
 verdict before anything is started. A value is refused when training cannot run with it (or a
 fault could never fire), and the message names the key and the range it accepts.
+
+A Nanotron field this engine accepts either takes effect or, where only one behaviour is
+implemented, accepts only that value (the Nanotron default): any other value is refused with the
+field, the value given, the value that runs and why (:data:`FIXED_FIELDS`), never silently ignored.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
 
 from .loader import ConfigError
 from .schema import Config, FaultSpec, HFDatasetArgs, TokenizedDatasetArgs
@@ -20,7 +29,8 @@ def validate_config(cfg: Config, check_paths: bool = True) -> None:
         if getattr(p, name) < 1:
             raise ConfigError(f"parallelism.{name} must be >= 1, got {getattr(p, name)}")
     if p.expert_parallel_size != 1:
-        raise ConfigError("parallelism.expert_parallel_size must be 1: LLaMA has no experts")
+        _refuse("parallelism.expert_parallel_size", p.expert_parallel_size, "1", "LLaMA has no experts")
+    _validate_model_sizes(cfg)
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model_config.hidden_size {m.hidden_size} is not divisible by "
@@ -66,9 +76,14 @@ def validate_config(cfg: Config, check_paths: bool = True) -> None:
             "set parallelism.tp_mode: ALL_REDUCE"
         )
     if m.rope_scaling is not None:
-        raise ConfigError("model_config.rope_scaling is not supported: set it to null")
+        _refuse("model.model_config.rope_scaling", m.rope_scaling, "null", "RoPE scaling is not implemented")
     if m.pretraining_tp != 1:
-        raise ConfigError("model_config.pretraining_tp must be 1")
+        _refuse(
+            "model.model_config.pretraining_tp",
+            m.pretraining_tp,
+            "1",
+            "the sliced linears that emulate pre-training tensor parallelism are not implemented",
+        )
     if t.sequence_length > m.max_position_embeddings:
         raise ConfigError(
             f"tokens.sequence_length={t.sequence_length} exceeds "
@@ -132,6 +147,25 @@ def validate_config(cfg: Config, check_paths: bool = True) -> None:
                 f"{where}.dataset_folder {str(ds.dataset_folder)!r} does not exist: run "
                 "`nanotron-recover preprocess --out` into it or fix the path"
             )
+        # Micro-batches are read from the token memmap by the training process itself. Nanotron's
+        # default of one loader worker is accepted as the same thing (it changes only speed).
+        workers = stage.data.num_loading_workers
+        if workers not in (0, 1):
+            _refuse(
+                f"data_stages[{i}].data.num_loading_workers",
+                workers,
+                "0 or 1",
+                "micro-batches are read in the training process, without loader workers",
+            )
+    if cfg.logging.iteration_step_info_interval < 1:
+        raise ConfigError(
+            "logging.iteration_step_info_interval must be >= 1 (print every that many steps), "
+            f"got {cfg.logging.iteration_step_info_interval}"
+        )
+    for key, get, allowed, why in FIXED_FIELDS:
+        value = get(cfg)
+        if not any(value == a and type(value) is type(a) for a in allowed):
+            _refuse(key, value, " or ".join(map(_yaml, allowed)), why)
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:
@@ -151,6 +185,182 @@ PLAIN_PHASES = ("forward", "backward", "reduce", "optimizer", "save")
 PLAIN_KINDS = ("kill",)
 # Phases in which micro-batches are computed, the only ones where a kind: error fault can fire.
 ERROR_PHASES = ("forward", "backward", "recovery")
+
+
+# Nanotron fields with one implemented behaviour: (key, getter, accepted values, why no other value
+# can take effect). Every accepted value is the Nanotron default.
+FIXED_FIELDS: list[tuple[str, Callable[[Config], Any], tuple[Any, ...], str]] = [
+    (
+        "general.step",
+        lambda c: c.general.step,
+        (None,),
+        "a run starts at step 0 or at the step of the checkpoint it resumes",
+    ),
+    (
+        "general.consumed_train_samples",
+        lambda c: c.general.consumed_train_samples,
+        (None,),
+        "the samples consumed follow from the step (the resumed checkpoint's)",
+    ),
+    (
+        "general.benchmark_csv_path",
+        lambda c: c.general.benchmark_csv_path,
+        (None,),
+        "no benchmark CSV is written; throughput is in <run_dir>/metrics.jsonl (tokens_per_s)",
+    ),
+    (
+        "general.ignore_sanity_checks",
+        lambda c: c.general.ignore_sanity_checks,
+        (True,),
+        "Nanotron's debug sanity checks are not implemented (the config is always validated)",
+    ),
+    (
+        "parallelism.tp_linear_async_communication",
+        lambda c: c.parallelism.tp_linear_async_communication,
+        (False,),
+        "asynchronous tensor-parallel linears are not implemented",
+    ),
+    (
+        "parallelism.recompute_layer",
+        lambda c: c.parallelism.recompute_layer,
+        (False,),
+        "activation recomputation is not implemented (all activations are kept)",
+    ),
+    (
+        "model.ddp_bucket_cap_mb",
+        lambda c: c.model.ddp_bucket_cap_mb,
+        (25,),
+        "plain mode all-reduces the gradients as one flat buffer; recover mode's bucket size is "
+        "recover.bucket_size_mb",
+    ),
+    (
+        "model.model_config.is_llama_config",
+        lambda c: c.model.model_config.is_llama_config,
+        (True,),
+        "this engine trains LLaMA models only",
+    ),
+    (
+        "model.model_config.use_cache",
+        lambda c: c.model.model_config.use_cache,
+        (True,),
+        "training uses no KV cache and the exported Hugging Face config keeps its default",
+    ),
+    (
+        "tokens.val_check_interval",
+        lambda c: c.tokens.val_check_interval,
+        (-1,),
+        "no validation runs during training (score a checkpoint with `nanotron-recover eval`)",
+    ),
+    (
+        "tokens.limit_val_batches",
+        lambda c: c.tokens.limit_val_batches,
+        (0,),
+        "no validation runs during training",
+    ),
+    (
+        "tokens.limit_test_batches",
+        lambda c: c.tokens.limit_test_batches,
+        (0,),
+        "no test runs during training",
+    ),
+    (
+        "optimizer.accumulate_grad_in_fp32",
+        lambda c: c.optimizer.accumulate_grad_in_fp32,
+        (True,),
+        "gradients are always accumulated in an fp32 buffer (the recovery snapshots it)",
+    ),
+    (
+        "checkpoints.checkpoints_path_is_shared_file_system",
+        lambda c: c.checkpoints.checkpoints_path_is_shared_file_system,
+        (True,),
+        "every rank writes into one checkpoint folder that rank 0 creates and publishes",
+    ),
+    # Nanotron with false builds a fresh scheduler on resume, so the schedule starts over (warm-up
+    # again). Here the rate is a pure function of the step: there is no scheduler state to skip, and
+    # a resume always continues the schedule. Accepting false as a no-op would silently train with
+    # another schedule than Nanotron, so it is refused.
+    (
+        "checkpoints.load_lr_scheduler",
+        lambda c: c.checkpoints.load_lr_scheduler,
+        (True,),
+        "the learning rate is recomputed from the step, so a resume always continues the schedule",
+    ),
+    (
+        "logging.log_level",
+        lambda c: c.logging.log_level,
+        ("info",),
+        "console output has no levels",
+    ),
+    (
+        "logging.log_level_replica",
+        lambda c: c.logging.log_level_replica,
+        ("info",),
+        "console output has no levels",
+    ),
+    (
+        "tokenizer.tokenizer_revision",
+        lambda c: c.tokenizer.tokenizer_revision,
+        (None,),
+        "corpora are tokenized by `nanotron-recover preprocess`, which loads the default revision",
+    ),
+    (
+        "tokenizer.tokenizer_max_length",
+        lambda c: c.tokenizer.tokenizer_max_length,
+        (None,),
+        "documents are packed into samples of tokens.sequence_length tokens",
+    ),
+    (
+        "kill_switch_path",
+        lambda c: c.kill_switch_path,
+        (None,),
+        "training does not watch for a stop file",
+    ),
+]
+
+
+def _yaml(value: Any) -> str:
+    """``value`` as it is written in the config (``true``, ``null``, ``{type: linear}``)."""
+    if isinstance(value, Path):
+        return str(value)
+    text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False).strip()
+    return text.removesuffix("...").strip()
+
+
+def _refuse(key: str, value: Any, supported: str, why: str) -> None:
+    """Raise the one-line refusal of a value this engine does not implement."""
+    raise ConfigError(f"{key}={_yaml(value)} is not supported: {why}; set {supported}")
+
+
+def _validate_model_sizes(cfg: Config) -> None:
+    """Sizes the model is built from (before any check divides by them)."""
+    m, where = cfg.model.model_config, "model.model_config"
+    for name in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_hidden_layers",
+        "vocab_size",
+        "max_position_embeddings",
+    ):
+        if getattr(m, name) < 1:
+            raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(m, name)}")
+    if m.num_key_value_heads is not None and m.num_key_value_heads < 1:
+        raise ConfigError(
+            f"{where}.num_key_value_heads must be >= 1, or null for one per attention head, "
+            f"got {m.num_key_value_heads}"
+        )
+    if cfg.model.make_vocab_size_divisible_by < 1:
+        raise ConfigError(
+            f"model.make_vocab_size_divisible_by must be >= 1, got {cfg.model.make_vocab_size_divisible_by}"
+        )
+    for name in ("rms_norm_eps", "rope_theta"):
+        if not _positive(getattr(m, name)):
+            raise ConfigError(f"{where}.{name} must be > 0, got {getattr(m, name)}")
+    if m.hidden_size % m.num_attention_heads == 0 and m.head_dim % 2:
+        raise ConfigError(
+            f"{where}: head dimension hidden_size/num_attention_heads = {m.head_dim} must be even "
+            "(rotary embeddings rotate pairs of dimensions)"
+        )
 
 
 def _positive(value: float) -> bool:
