@@ -324,6 +324,7 @@ def _two_rank_scenarios(rank: int, root: Path) -> None:
     CheckpointReader(root).verify(rank=rank)
 
 
+@pytest.mark.mpi
 def test_two_ranks_agree_on_failed_saves(tmp_path):
     # fork: the ranks start in a fraction of the time spawn takes (CPU only, no CUDA state to lose).
     ranks = mp.start_processes(

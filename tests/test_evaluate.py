@@ -106,7 +106,11 @@ def test_reference_logits_are_far_from_uniform(converted):
 
 @pytest.mark.parametrize(
     ("tp", "pp", "tie"),
-    LAYOUTS,
+    # More than one rank runs under mpirun.
+    [
+        pytest.param(*layout, marks=[pytest.mark.mpi] if layout[0] * layout[1] > 1 else [])
+        for layout in LAYOUTS
+    ],
     ids=[f"tp{tp}-pp{pp}-{'tied' if tie else 'untied'}" for tp, pp, tie in LAYOUTS],
 )
 def test_eval_matches_hf_logits_and_loss(converted, tmp_path: Path, tp: int, pp: int, tie: bool):
@@ -127,6 +131,7 @@ def test_eval_matches_hf_logits_and_loss(converted, tmp_path: Path, tp: int, pp:
     assert printed("tokens", result.stdout) == BATCH * (SEQ - 1)
 
 
+@pytest.mark.mpi
 def test_tp2_eval_shuts_down_cleanly_every_time(converted):
     # The process group used to outlive evaluate(): a gloo worker thread still releasing the last
     # collective's tensors at interpreter exit aborted a rank *after* the loss was printed, about
@@ -206,6 +211,7 @@ def test_eval_bad_token_file_is_one_line(converted, tmp_path: Path, write, expec
     assert str(bad) in lines[0] and expected in lines[0]
 
 
+@pytest.mark.mpi
 def test_eval_logits_out_in_a_missing_folder_exits_2_before_starting(converted, tmp_path: Path):
     case = converted(False)
     logits_out = tmp_path / "no_such_folder" / "logits.npy"

@@ -127,6 +127,7 @@ def test_transformers4_style_config_with_top_level_rope_theta_converts(tmp_path:
 
 
 # -- resharding: a tp=2 training checkpoint --------------------------------------------------------
+@pytest.mark.mpi
 def test_tp2_training_checkpoint_to_hf_matches_eval_on_tp1(tmp_path: Path):
     config = hf_models.write_config(tmp_path / "config.yaml", tie=False)
     root = tmp_path / "checkpoints"

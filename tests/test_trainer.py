@@ -58,6 +58,7 @@ def test_reference_learns(reference):
     assert len({r["ids_digest"] for r in reference}) == STEPS, "each step consumes new ids"
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("engine", ["afab", "1f1b"])
 def test_layout_invariance_tp2_pp2_dp2(tmp_path, local_dataset, reference, engine):
     got = train(tmp_path, local_dataset.corpus_dir, layout(2, 2, 2, 4, engine))
@@ -65,6 +66,7 @@ def test_layout_invariance_tp2_pp2_dp2(tmp_path, local_dataset, reference, engin
     assert {r["replicas"] for r in got} == {2}
 
 
+@pytest.mark.mpi
 def test_resume_same_layout_is_bitwise(tmp_path, local_dataset):
     overrides = layout(1, 1, 2, 4)
     full = train(tmp_path / "full", local_dataset.corpus_dir, overrides)
@@ -78,6 +80,7 @@ def test_resume_same_layout_is_bitwise(tmp_path, local_dataset):
         assert got["lr"] == want["lr"]
 
 
+@pytest.mark.mpi
 def test_resume_on_another_layout(tmp_path, local_dataset, reference):
     """Saved on (tp=1, pp=1, dp=1), resumed on (tp=2, pp=1, dp=2): weights and Adam state reshard."""
     train(tmp_path, local_dataset.corpus_dir, layout(1, 1, 1, 8), ["--stop-after-step", "5"])
