@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from nanotron_recover.cli import train_command
 from nanotron_recover.demo import tiny_config_path
+from nanotron_recover.launcher import train_command
 
 
 def run_training(

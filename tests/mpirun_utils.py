@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanotron_recover.cli import mpirun_command
+from nanotron_recover.launcher import mpirun_command
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,5 @@
-"""nanotron_recover.cli: ``train --dry-run`` and the refusals of train, launch and convert.
+"""nanotron_recover.cli: ``train --dry-run``, the refusals of train, launch and convert, and how
+``train`` reports an error under mpirun (rank 0 only, the exit status of the error's kind).
 
 Nothing here starts mpirun or a trainer: ``subprocess.call`` and the conversion functions are
 replaced by tripwires, so a refusal that stops refusing fails loudly instead of launching a job.
@@ -13,8 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from nanotron_recover import cli
 from nanotron_recover.cli import main
+from nanotron_recover.errors import ExitCode, StopRun
 from nanotron_recover.models import hf_conversion
+from nanotron_recover.outcome import read_outcome, write_outcome
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
@@ -181,6 +185,73 @@ def test_missing_config_argument_is_an_argparse_error(capsys: pytest.CaptureFixt
         main(["train", "--dry-run"])
     assert info.value.code == 2
     assert "the following arguments are required: --config" in capsys.readouterr().err
+
+
+# -- train errors under mpirun -----------------------------------------------------------------------
+RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+
+
+@pytest.fixture
+def no_rank(monkeypatch: pytest.MonkeyPatch):
+    for var in (*RANK_VARS, "NANOTRON_RECOVER_SUPERVISED"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.parametrize("var", RANK_VARS)
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_train_error_is_printed_by_rank_0_only(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, no_rank, tmp_path: Path, var, rank
+):
+    monkeypatch.setenv(var, rank)
+    missing = tmp_path / "missing.yaml"
+    assert main(["train", "--config", str(missing), "--run-dir", str(tmp_path / "run")]) == ExitCode.INPUT
+    if rank == "0":
+        assert one_error_line(capsys, "train") == f"config file {str(missing)!r} does not exist"
+    else:
+        assert capsys.readouterr() == ("", "")
+
+
+def stop_in_train(monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+    def cmd_train(args):
+        args.target_step = 8
+        raise error
+
+    monkeypatch.setattr(cli, "cmd_train", cmd_train)
+
+
+def test_stop_run_exits_with_its_code_and_is_recorded(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, no_rank, tmp_path: Path
+):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    stop_in_train(monkeypatch, StopRun("io", "disk full writing\ncheckpoints/step_3"))
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+
+    assert main(["train", "--config", TINY, "--run-dir", str(tmp_path)]) == ExitCode.IO == 5
+    assert one_error_line(capsys, "train") == "disk full writing checkpoints/step_3"
+    outcome = read_outcome(tmp_path)
+    assert (outcome["status"], outcome["kind"], outcome["exit_code"]) == ("stopped", "io", 5)
+    assert (outcome["last_step"], outcome["target_step"]) == (2, 8)
+    assert outcome["message"] == "disk full writing checkpoints/step_3"
+
+
+def test_under_the_supervisor_a_recorded_stop_is_left_to_the_launcher(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, no_rank, tmp_path: Path
+):
+    """The launcher prints the record's message; the trainer's own record is never overwritten."""
+    write_outcome(tmp_path, status="stopped", last_step=5, target_step=8, exit_code=4, kind="deterministic",
+                  message="the same exception again on micro-batch 41")  # fmt: skip
+    stop_in_train(monkeypatch, StopRun("deterministic", "the same exception again on micro-batch 41"))
+    monkeypatch.setenv("NANOTRON_RECOVER_SUPERVISED", "1")
+
+    assert main(["train", "--config", TINY, "--run-dir", str(tmp_path)]) == ExitCode.DETERMINISTIC
+    assert capsys.readouterr() == ("", "")
+    assert read_outcome(tmp_path)["last_step"] == 5
+
+
+def test_a_dry_run_error_writes_no_record(capsys, monkeypatch: pytest.MonkeyPatch, no_rank, tmp_path: Path):
+    args = ["train", "--config", TINY, "--dry-run", "--run-dir", str(tmp_path), "--set", "parallelism.tp=3"]
+    assert main(args) == 2
+    assert read_outcome(tmp_path) is None
 
 
 # -- launch refusals --------------------------------------------------------------------------------

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from mpirun_utils import check, run_cli
 
 from nanotron_recover.logging import read_incidents, read_metrics
+
+pytestmark = pytest.mark.mpi
 
 
 def test_demo_runs_end_to_end(tmp_path):

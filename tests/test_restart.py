@@ -1,14 +1,21 @@
 """The checkpoint-restart baseline: a job whose ranks really SIGKILL themselves is relaunched from
-its last (asynchronous) checkpoint and ends with exactly the plain run's per-step losses."""
+its last (asynchronous) checkpoint and ends with exactly the plain run's per-step losses; a run that
+stops on bad input, an I/O error or a deterministic exception is never relaunched (the loop itself
+is also driven with stand-in jobs that write the outcome record a real run would)."""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 from mpirun_utils import REPO, check, run_cli
 
+from nanotron_recover.errors import ExitCode
 from nanotron_recover.logging import read_incidents, read_metrics
+
+pytestmark = pytest.mark.mpi
 
 CONFIG = str(REPO / "configs" / "tiny_cpu.yaml")
 STEPS = 10
@@ -60,8 +67,9 @@ def test_two_faults_two_restarts_same_curve(tmp_path, local_dataset):
     assert all(i["stall_s"] > 0 for i in incidents)
 
 
-def test_a_failing_launch_is_not_restarted_forever(tmp_path):
-    """A job that dies without progress and without an injected fault is a real error."""
+def test_a_run_stopped_on_bad_input_is_not_restarted(tmp_path):
+    """Every rank meets the same bad input at start-up: the run records it, the launcher says it
+    once and exits 2 instead of relaunching."""
     run_dir = tmp_path / "bad"
     extra = [
         "recover.enabled=true",
@@ -74,8 +82,99 @@ def test_a_failing_launch_is_not_restarted_forever(tmp_path):
     for s in [f"tokens.train_steps={STEPS}", "parallelism.dp=2", *extra]:
         args += ["--set", s]
     result = run_cli(args, timeout=120)
-    assert result.returncode != 0
-    assert "without progress: not restarting" in result.output
+    assert result.returncode == ExitCode.INPUT, result.output[-3000:]
+    assert "the run stopped (input): not restarting" in result.output
+    assert "relaunching" not in result.output
+    message = f"corpus index {tmp_path / 'index.json'} is missing"
+    assert result.output.count(message) == 1, result.output[-3000:]
+    assert f"nanotron-recover launch: {message}" in result.stderr
+
+
+# -- the restart loop with stand-in jobs ------------------------------------------------------------
+def restart_cfg(**extra: str):
+    from nanotron_recover.config import load_config
+
+    sets = ["recover.enabled=true", "recover.mode=checkpoint_restart", "checkpoints.checkpoint_interval=2"]
+    return load_config(CONFIG, sets + [f"{k}={v}" for k, v in extra.items()], check_paths=False)
+
+
+def stand_in_job(tmp_path: Path, body: str) -> list[str]:
+    """A Python script in place of mpirun; each launch appends a line to ``launches``."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import json, sys, time\n"
+        "from pathlib import Path\n"
+        "from nanotron_recover.outcome import write_outcome\n"
+        f"run_dir, tmp = Path({str(tmp_path / 'run')!r}), Path({str(tmp_path)!r})\n"
+        "with open(tmp / 'launches', 'a') as f:\n"
+        "    f.write('x\\n')\n"
+        "launch = len((tmp / 'launches').read_text().splitlines())\n" + body
+    )
+    return [sys.executable, str(script)]
+
+
+@pytest.mark.parametrize(("kind", "code"), [("input", 2), ("io", 5), ("deterministic", 4)])
+def test_stops_that_are_not_faults_are_never_relaunched(tmp_path, capsys, kind, code):
+    from nanotron_recover.restart import run_with_restarts
+
+    cmd = stand_in_job(
+        tmp_path,
+        "with open(run_dir / 'metrics.jsonl', 'a') as f:\n"
+        "    f.write(json.dumps({'step': launch, 'time': time.time()}) + '\\n')\n"
+        f"write_outcome(run_dir, status='stopped', last_step=launch, target_step=10, exit_code={code}, "
+        f"kind={kind!r}, message='stopped: {kind}')\n"
+        "sys.exit(1)\n",
+    )
+    run_dir = tmp_path / "run"
+    assert run_with_restarts(restart_cfg(), run_dir, cmd, tmp_path / "ckpt", grace_s=1) == code
+    assert (tmp_path / "launches").read_text().count("x") == 1
+    err = capsys.readouterr().err
+    assert f"the run stopped ({kind}): not restarting" in err
+    assert err.count(f"stopped: {kind}") == 1
+
+
+def test_a_failing_launch_without_progress_is_not_restarted(tmp_path, capsys):
+    """A job that dies without progress, without an injected fault and without a record is a real
+    error: one launch, then the supervisor's line and a non-zero status."""
+    from nanotron_recover.restart import run_with_restarts
+
+    cmd = stand_in_job(tmp_path, "sys.exit(7)\n")
+    code = run_with_restarts(
+        restart_cfg(), tmp_path / "run", cmd, tmp_path / "ckpt", grace_s=1, target_step=10
+    )
+    assert code == ExitCode.FAILED
+    assert (tmp_path / "launches").read_text().count("x") == 1
+    err = capsys.readouterr().err
+    assert "launch failed (exit 7) without progress: not restarting" in err
+    assert (
+        "no outcome record (every replica lost, or killed from outside); last committed step 0 of 10" in err
+    )
+
+
+def test_relaunches_after_progress_until_the_run_completes(tmp_path, capsys):
+    """Each launch commits a step and dies (no record) until the third, which completes: two
+    restarts, exit 0 from the last launch's record, and max_restarts bounds the loop."""
+    from nanotron_recover.restart import run_with_restarts
+
+    cmd = stand_in_job(
+        tmp_path,
+        "with open(run_dir / 'metrics.jsonl', 'a') as f:\n"
+        "    f.write(json.dumps({'step': launch, 'time': time.time()}) + '\\n')\n"
+        "if launch == 3:\n"
+        "    write_outcome(run_dir, status='completed', last_step=3, target_step=3, exit_code=0)\n"
+        "sys.exit(0 if launch == 3 else 137)\n",
+    )
+    run_dir = tmp_path / "run"
+    assert run_with_restarts(restart_cfg(), run_dir, cmd, tmp_path / "ckpt", grace_s=1) == 0
+    assert [i["restart"] for i in read_incidents(run_dir)] == [1, 2]
+    assert [i["exit_code"] for i in read_incidents(run_dir)] == [137, 137]
+
+    (tmp_path / "launches").unlink()
+    (run_dir / "metrics.jsonl").unlink()
+    code = run_with_restarts(restart_cfg(**{"recover.max_restarts": "1"}), run_dir, cmd, tmp_path / "ckpt",
+                             grace_s=1)  # fmt: skip
+    assert code == ExitCode.FAILED
+    assert "giving up after 1 restarts" in capsys.readouterr().err
 
 
 def test_restart_incidents_reach_wandb(tmp_path, monkeypatch):

@@ -6,7 +6,8 @@
   refusals (a layout that does not fill nodes x GPUs, a TP group split across nodes).
 - A real single-node Slurm (munged + slurmctld + slurmd on localhost, installed with apt when
   missing): a CPU job with an injected replica failure is submitted with sbatch, completes, records
-  the failure, and its loss curve and micro-batch ids equal a plain run's.
+  the failure, and its loss curve and micro-batch ids equal a plain run's; a job whose every replica
+  is killed ends FAILED (its exit status follows the run's outcome record, not mpirun's).
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from nanotron_recover.demo import tiny_config_path
 from nanotron_recover.errors import InputError
 from nanotron_recover.estimate import GIB, plan_summary
 from nanotron_recover.logging import read_incidents, read_metrics
+from nanotron_recover.outcome import read_outcome
 from nanotron_recover.slurm import add_slurm_arguments, render_sbatch, run_slurm
+
+pytestmark = pytest.mark.mpi
 
 CONFIGS = REPO / "configs"
 A100_GIB = 40
@@ -278,7 +282,10 @@ def test_slurm_job_recovers_forward_like_a_plain_run(slurm, local_dataset, tmp_p
     script = (run_dir / "job.sbatch").read_text()
     assert "#SBATCH --ntasks-per-node=2" in script and "--gpus-per-node" not in script
     assert "--oversubscribe" in script and "NANOTRON_RECOVER_DEVICE=cpu" in script
+    assert "-m nanotron_recover.launcher supervise" in script and "--mca mpi_ft_detector true" in script
     assert (run_dir / "logs" / f"job-{job_id}" / "train.log").exists()
+    assert read_outcome(run_dir)["status"] == "completed", "COMPLETED because the run recorded it"
+    assert f"job {job_id} finished" in log.read_text() and "exit status 0" in log.read_text()
 
     incidents = read_incidents(run_dir)
     assert [i["failed_replicas"] for i in incidents] == [[1]], incidents
@@ -293,6 +300,33 @@ def test_slurm_job_recovers_forward_like_a_plain_run(slurm, local_dataset, tmp_p
         assert g["ids_digest"] == w["ids_digest"], f"step {g['step']} consumed other micro-batches"
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-5), f"step {g['step']}"
     assert got[-1]["replicas"] == 1
+
+
+def test_slurm_job_whose_every_replica_dies_ends_failed(slurm, tmp_path, monkeypatch, capsys):
+    """Both replicas SIGKILLed at step 2: mpirun exits 0 under ULFM, but no run recorded that it
+    completed, so the job's exit status (and Slurm's state) says it failed."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "dead_run"
+    sets = ["parallelism.dp=2", "tokens.train_steps=4", "data_stages.0.data.dataset=null", *DEADLINES]
+    sets += ["recover.enabled=true", "recover.faults=[{step: 2, replica: 0}, {step: 2, replica: 1}]"]
+    argv = ["--config", str(tiny_config_path()), "--nodes", "1", "--gpus-per-node", "0", "--time", "10"]
+    argv += ["--run-dir", str(run_dir), "--job-name", "nr-dead", "--submit"]
+    argv += [a for s in sets for a in ("--set", s)]
+
+    assert run_slurm(slurm_args(argv)) == 0
+    job_id = re.search(r"submitted job (\d+)", capsys.readouterr().out).group(1)
+    state = slurm.wait_job(job_id, JOB_TIMEOUT_S)
+    log = run_dir / f"slurm-{job_id}.out"
+    text = log.read_text() if log.exists() else slurm.logs()
+    assert state == "FAILED", f"job {job_id} {state}\n{text[-4000:]}"
+    assert "ExitCode=1:0" in slurm.run("scontrol", "show", "job", job_id).stdout
+    assert (
+        "nanotron-recover job: run ended without completing: no outcome record (every replica lost, "
+        "or killed from outside); last committed step 1 of 4"
+    ) in text
+    assert read_outcome(run_dir) is None
 
 
 def test_slurm_refuses_a_mismatched_layout_before_submission(slurm, local_dataset, tmp_path, monkeypatch):

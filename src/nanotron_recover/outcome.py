@@ -21,6 +21,9 @@ from typing import Any
 from .errors import ExitCode
 
 FILENAME = "outcome.json"
+# Set by the launcher for the ranks it supervises: it prints the outcome's message itself, so the
+# ranks need not (a stop is said once).
+SUPERVISED_ENV = "NANOTRON_RECOVER_SUPERVISED"
 
 
 def write_outcome(

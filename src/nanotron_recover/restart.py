@@ -10,12 +10,16 @@ Each restart is an incident in ``<run_dir>/incidents.jsonl``: the failed step an
 injected victim's death record when there is one), the step resumed from, the steps recomputed, and
 ``stall_s``: wall time from the failure until the relaunched job committed the failed step again,
 i.e. everything the fault cost. A launch that fails without committing a new step and without an
-injected death is a real error, not a fault to ride out: the launcher stops there.
+injected death is a real error, not a fault to ride out: the launcher stops there. So does a run
+whose outcome record (``<run_dir>/outcome.json``) says it stopped on bad input, an I/O error or a
+deterministic exception, with that stop's exit status.
+
+Each launch runs under the supervisor of :mod:`.launcher`: success is the run's own record that it
+committed every step, never mpirun's status alone.
 """
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -24,8 +28,12 @@ from pathlib import Path
 from .checkpoint import latest_step
 from .config import Config
 from .ft.faults import read_deaths
+from .launcher import default_grace_s, launch_env, report, run_supervised, target_step_of
 from .logging import IncidentLog, read_metrics
 from .logging.wandb_logger import RunLogger, run_name_for_config
+
+# Stops that are not faults to ride out: a relaunch would meet the same input, disk or exception.
+NOT_FAULTS = ("input", "io", "deterministic")
 
 
 @dataclass
@@ -47,28 +55,52 @@ def committed_steps(run_dir: Path) -> int:
     return max((r["step"] for r in read_metrics(path)), default=0)
 
 
-def run_with_restarts(cfg: Config, run_dir: Path, launch_cmd: list[str], checkpoints_path: Path) -> int:
-    """Run ``launch_cmd`` (an mpirun command line) until it succeeds; returns its final exit code."""
+def run_with_restarts(
+    cfg: Config,
+    run_dir: Path,
+    launch_cmd: list[str],
+    checkpoints_path: Path,
+    *,
+    grace_s: float | None = None,
+    target_step: int | None = None,
+    env: dict[str, str] | None = None,
+) -> int:
+    """Run ``launch_cmd`` (an mpirun command line) under the supervisor until the run completes;
+    returns the final exit status (see :func:`.launcher.run_supervised`)."""
+    grace_s = default_grace_s(cfg.recover.heartbeat_timeout_s) if grace_s is None else grace_s
+    target_step = target_step_of(cfg) if target_step is None else target_step
+    env = launch_env() if env is None else env
     restarts: list[Restart] = []
     while True:
         started = time.time()
         before = committed_steps(run_dir)
-        code = subprocess.call(launch_cmd)
+        result = run_supervised(launch_cmd, run_dir, grace_s=grace_s, env=env)
+        code = result.exit_code
         if code == 0:
             break
+        outcome = result.outcome or {}
+        if outcome.get("status") == "stopped" and outcome.get("kind") in NOT_FAULTS:
+            print(f"[nanotron-recover] the run stopped ({outcome['kind']}): not restarting", file=sys.stderr)
+            _write_incidents(cfg, run_dir, restarts)
+            return report(result, run_dir, target_step=target_step)
+        if result.interrupted_by is not None:
+            print("[nanotron-recover] interrupted: not restarting", file=sys.stderr)
+            _write_incidents(cfg, run_dir, restarts)
+            return report(result, run_dir, target_step=target_step)
         deaths = read_deaths(run_dir, since=started)
         progressed = committed_steps(run_dir) > before
+        status = result.returncode if result.returncode is not None else code
         if not deaths and not progressed:
             print(
-                f"[nanotron-recover] launch failed (exit {code}) without progress: not restarting",
+                f"[nanotron-recover] launch failed (exit {status}) without progress: not restarting",
                 file=sys.stderr,
             )
             _write_incidents(cfg, run_dir, restarts)
-            return code
+            return report(result, run_dir, target_step=target_step)
         if len(restarts) >= cfg.recover.max_restarts:
             print(f"[nanotron-recover] giving up after {len(restarts)} restarts", file=sys.stderr)
             _write_incidents(cfg, run_dir, restarts)
-            return code
+            return report(result, run_dir, target_step=target_step)
         resumed = latest_step(checkpoints_path) or 0
         first = deaths[0] if deaths else None
         restarts.append(
@@ -80,7 +112,7 @@ def run_with_restarts(cfg: Config, run_dir: Path, launch_cmd: list[str], checkpo
                 failed_replicas=sorted({d["replica"] for d in deaths}),
                 failed_ranks=sorted({d["rank"] for d in deaths}),
                 resumed_from_step=resumed,
-                exit_code=code,
+                exit_code=status,
             )
         )
         print(
@@ -89,7 +121,7 @@ def run_with_restarts(cfg: Config, run_dir: Path, launch_cmd: list[str], checkpo
             flush=True,
         )
     _write_incidents(cfg, run_dir, restarts)
-    return 0
+    return report(result, run_dir, target_step=target_step)
 
 
 def _write_incidents(cfg: Config, run_dir: Path, restarts: list[Restart]) -> None:

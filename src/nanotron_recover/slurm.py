@@ -7,6 +7,12 @@ coordinate ``r % tp``, every tensor-parallel group stays inside one node as long
 the ranks per node. Layouts that do not fill the requested nodes exactly are refused before anything
 reaches the queue.
 
+The job's exit status is the run's own record (``<run_dir>/outcome.json``, see :mod:`.outcome`), not
+``mpirun``'s: the script runs ``mpirun`` under the supervisor of :mod:`.launcher`, so Slurm reports
+COMPLETED only when every requested step was committed, and FAILED (with the launcher's exit code)
+otherwise. ULFM's heartbeat failure detector is on with ``recover.heartbeat_period_s`` /
+``heartbeat_timeout_s``, so a frozen rank is declared failed instead of hanging the job.
+
 ``gpus_per_node=0`` renders a CPU job (gloo, no ``--gpus-per-node``, ranks oversubscribed inside the
 allocation): the same script shape the tests run on a local single-node Slurm.
 
@@ -28,6 +34,7 @@ from pathlib import Path
 
 from .config import Config, add_config_arguments, load_config
 from .errors import InputError
+from .launcher import default_grace_s, heartbeat_flags, heartbeat_of
 
 # Shipped inside the package (slurm/ in the repository links to it) so installed copies find it.
 DEFAULT_TEMPLATE = Path(__file__).resolve().parent / "templates" / "nanotron_recover.sbatch.in"
@@ -210,6 +217,11 @@ def render_sbatch(
         # CPU jobs: gloo even where a GPU exists, and more ranks than allocated CPUs may run.
         "DEVICE_ENV": "" if gpus_per_node else "export NANOTRON_RECOVER_DEVICE=cpu",
         "MPI_EXTRA": "" if gpus_per_node else "--oversubscribe",
+        # ULFM's heartbeat detector (forward recovery): a frozen rank is declared failed after the timeout.
+        "HEARTBEAT_FLAGS": " ".join(heartbeat_flags(hb)) if (hb := heartbeat_of(cfg)) else "",
+        # The supervisor ends what is left of mpirun this long after the run recorded completion.
+        "GRACE_S": f"{default_grace_s(cfg.recover.heartbeat_timeout_s):g}",
+        "TARGET_STEP": str(cfg.tokens.train_steps),
         "NCCL_TIMEOUT_S": str(int(max(cfg.recover.watchdog_timeout_s or 600, cfg.recover.gate_timeout_s))),
         "WANDB_ENV": _wandb_env(wandb),
         "CONFIG": shlex.quote(config_path),
