@@ -3,13 +3,17 @@
 1. Steady state: median step time of the fault-tolerant mode with no faults over the plain mode, same
    config and layout (the price of per-replica worlds, MPI reduction in snapshotted buckets, the
    gate and the commit agree). Target: <= 1.05 on CPU.
-2. Per fault: ``detect_s`` (the victim's SIGKILL to the logging survivor noticing) and ``recover_s``
-   (noticing to the step committed, minus recomputed micro-batches), from runs that lose one replica
-   in each phase. Target: medians < 0.5 s on CPU.
+2. Per crash: ``detect_s`` (the victim's SIGKILL to the first survivor seeing it in MPI),
+   ``recover_s`` (noticing to the step committed, minus the redone micro-batches) and ``redo_s``
+   (recomputing the lost micro-batches), from runs that lose one replica in each phase. Target:
+   medians of detect_s and recover_s < 0.5 s on CPU.
+3. Per hang: a replica freezes (SIGSTOP) in compute, in the reduction or at the agree; ``freeze ->
+   commit`` is the time from the freeze to the commit of the step it struck (what the hang cost the
+   job), median and max over repeats, for each heartbeat setting (period, timeout) measured.
 
 Writes ``benchmarks/results/recovery.json`` and ``recovery.md``.
 
-    python benchmarks/recovery.py [--steps 40] [--replicas 4] [--repeats 2]
+    python benchmarks/recovery.py [--steps 40] [--replicas 4] [--repeats 2] [--heartbeats 0.5:2,1:5]
 """
 
 from __future__ import annotations
@@ -24,10 +28,23 @@ from pathlib import Path
 from common import describe, machine_info, markdown_table, run_training, write_report
 
 from nanotron_recover.data import ensure_local_dataset
+from nanotron_recover.ft.records import read_records
 from nanotron_recover.logging import read_incidents, read_metrics
 
 WARMUP_STEPS = 3
 PHASES = ["forward", "backward", "gate", "reduce", "optimizer", "recovery"]
+# Where a frozen replica stops: (fault phase, micro-batch or bucket index) -> row name.
+FREEZES = {("forward", 1): "compute", ("reduce", 1): "reduce", ("agree", 0): "agree"}
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def freeze_to_commit(run_dir: Path) -> list[float]:
+    """For each injected freeze: the freeze's wall time to the commit of the step it struck."""
+    committed = {r["step"]: r["time"] for r in read_metrics(run_dir)}
+    return [committed[r["step"]] - r["time"] for r in read_records(run_dir) if r["kind"] == "hang"]
 
 
 def median_step_time(run_dir: Path) -> float:
@@ -39,6 +56,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="fault runs per phase")
+    parser.add_argument(
+        "--heartbeats", default="0.5:2,1:5", help="heartbeat settings period:timeout (s), comma-separated"
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     out = Path(args.out)
@@ -82,6 +102,34 @@ def main() -> int:
                 run_training(run_dir, sets, w)
                 for inc in read_incidents(run_dir):
                     incidents.append({**inc, "injected_phase": phase})
+
+        hangs = []
+        for setting in args.heartbeats.split(","):
+            period, timeout = (float(x) for x in setting.split(":"))
+            for (phase, index), name in FREEZES.items():
+                for rep in range(args.repeats):
+                    freeze = {"step": 4, "replica": 1, "phase": phase, "microbatch": index, "kind": "freeze"}
+                    run_dir = tmp / f"hang-{period}-{timeout}-{name}-{rep}"
+                    sets = base + [
+                        f"tokens.train_steps={fault_steps}",
+                        "recover.enabled=true",
+                        f"recover.heartbeat_period_s={period}",
+                        f"recover.heartbeat_timeout_s={timeout}",
+                        f"recover.faults={json.dumps([freeze])}",
+                    ]
+                    run_training(run_dir, sets, w)
+                    (inc,) = read_incidents(run_dir)
+                    for cost in freeze_to_commit(run_dir):
+                        hangs.append(
+                            {
+                                "period_s": period,
+                                "timeout_s": timeout,
+                                "where": name,
+                                "freeze_to_commit_s": cost,
+                                "detect_s": inc["detect_s"],
+                                "kind": inc["kind"],
+                            }
+                        )
     detect = [i["detect_s"] for i in incidents if i["detect_s"] is not None]
     recover = [i["recover_s"] for i in incidents]
     per_phase = {
@@ -92,6 +140,7 @@ def main() -> int:
             "recover_s_median": statistics.median(
                 [i["recover_s"] for i in incidents if i["phase"] == phase] or [float("nan")]
             ),
+            "redo_s_median": median([i["redo_s"] for i in incidents if i["phase"] == phase]),
             "faults": sum(i["phase"] == phase for i in incidents),
         }
         for phase in PHASES
@@ -106,23 +155,74 @@ def main() -> int:
         "faults": len(incidents),
         "detect_s_median": statistics.median(detect),
         "recover_s_median": statistics.median(recover),
+        "redo_s_median": median([i["redo_s"] for i in incidents]),
         "per_phase": per_phase,
         "incidents": incidents,
+        "hangs": hangs,
     }
     steady_table = markdown_table(
         ["steady state", "plain", "recover", "ratio recover/plain (target <= 1.05)"],
         [["median step time (s)", f"{steady['plain']:.4f}", f"{steady['recover']:.4f}", f"{ratio:.3f}"]],
     )
     fault_rows = [
-        [phase, v["faults"], f"{v['detect_s_median']:.4f}", f"{v['recover_s_median']:.4f}"]
+        [
+            phase,
+            v["faults"],
+            f"{v['detect_s_median']:.4f}",
+            f"{v['recover_s_median']:.4f}",
+            f"{v['redo_s_median']:.4f}",
+        ]
         for phase, v in per_phase.items()
     ]
     fault_rows.append(
-        ["**all**", len(incidents), f"{summary['detect_s_median']:.4f}", f"{summary['recover_s_median']:.4f}"]
+        [
+            "**all**",
+            len(incidents),
+            f"{summary['detect_s_median']:.4f}",
+            f"{summary['recover_s_median']:.4f}",
+            f"{summary['redo_s_median']:.4f}",
+        ]
     )
-    fault_table = markdown_table(["fault phase", "faults", "median detect_s", "median recover_s"], fault_rows)
+    fault_table = markdown_table(
+        ["crash phase", "faults", "median detect_s", "median recover_s", "median redo_s"], fault_rows
+    )
+    hang_rows = []
+    for setting in sorted({(h["period_s"], h["timeout_s"]) for h in hangs}):
+        for name in FREEZES.values():
+            costs = [
+                h["freeze_to_commit_s"]
+                for h in hangs
+                if (h["period_s"], h["timeout_s"]) == setting and h["where"] == name
+            ]
+            detects = [
+                h["detect_s"]
+                for h in hangs
+                if (h["period_s"], h["timeout_s"]) == setting and h["where"] == name
+            ]
+            if costs:
+                hang_rows.append(
+                    [
+                        f"{setting[0]:g} / {setting[1]:g}",
+                        name,
+                        len(costs),
+                        f"{median(detects):.2f}",
+                        f"{median(costs):.2f}",
+                        f"{max(costs):.2f}",
+                    ]
+                )
+    hang_table = markdown_table(
+        [
+            "heartbeat period / timeout (s)",
+            "frozen in",
+            "hangs",
+            "median detect_s",
+            "median freeze -> commit (s)",
+            "max freeze -> commit (s)",
+        ],
+        hang_rows,
+    )
     header = f"{describe(machine)}. Tiny LLaMA, {w} replicas (tp=pp=1), B={2 * w}."
-    write_report(out, "recovery", summary, [header, "", *steady_table, "", *fault_table])
+    write_report(out, "recovery", summary, [header, "", *steady_table, "", *fault_table, "", *hang_table])
     return 0
 
 

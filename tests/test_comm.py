@@ -21,17 +21,20 @@ from typing import Any
 import pytest
 
 from nanotron_recover.ft.topology import Topology
+from nanotron_recover.launcher import heartbeat_flags
 
 WORKER = Path(__file__).parent / "mpi_workers" / "comm_worker.py"
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
 RUN_TIMEOUT_S = 60.0
 
-pytestmark = pytest.mark.skipif(MPIRUN is None, reason="mpirun (Open MPI with ULFM) not available")
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(MPIRUN is None, reason="mpirun (Open MPI with ULFM) not available"),
+]
 
 
 # ULFM's heartbeat detector, as short as this 2-core machine allows without false alarms.
-HEARTBEAT = ["--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true"]
-HEARTBEAT += ["--mca", "mpi_ft_detector_period", "0.5", "--mca", "mpi_ft_detector_timeout", "2"]
+HEARTBEAT = heartbeat_flags((0.5, 2.0))
 
 
 def run_worker(tmp_path: Path, n: int, *args: str, mca: list[str] | None = None) -> dict[int, dict[str, Any]]:
@@ -288,7 +291,9 @@ def test_frozen_rank_is_declared_failed_and_removed(tmp_path: Path) -> None:
     """SIGSTOP one of 4 ranks: the heartbeat detector reports it, the others shrink past it, go on,
     and the frozen process is SIGKILLed by a survivor on its host (it never wakes up)."""
     topo = Topology(tp=1, pp=1, n_replicas=4)
-    res = run_worker(tmp_path, 4, "--tp", "1", "--replicas", "4", "--freeze", "2:1", "--iters", "3", mca=HEARTBEAT)
+    res = run_worker(
+        tmp_path, 4, "--tp", "1", "--replicas", "4", "--freeze", "2:1", "--iters", "3", mca=HEARTBEAT
+    )
     assert res[2].get("frozen") and not res[2].get("woke"), "the frozen rank must not wake up"
     assert not _process_exists(res[2]["pid"])
     assert_consistent_world(res, topo, [0, 1, 3])

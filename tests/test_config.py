@@ -527,11 +527,11 @@ RESTART = ["recover.enabled=true", "recover.mode=checkpoint_restart", SAVE_EVERY
         (["recover.heartbeat_period_s=0"], "recover.heartbeat_period_s must be > 0, got 0.0"),
         (
             ["recover.heartbeat_timeout_s=1"],
-            "recover.heartbeat_timeout_s=1.0 must be greater than recover.heartbeat_period_s=1.0",
+            "recover.heartbeat_timeout_s=1.0 must be greater than 3 x recover.heartbeat_period_s=1.0",
         ),
         (
             ["recover.heartbeat_period_s=10"],
-            "recover.heartbeat_timeout_s=5.0 must be greater than recover.heartbeat_period_s=10.0",
+            "recover.heartbeat_timeout_s=5.0 must be greater than 3 x recover.heartbeat_period_s=10.0",
         ),
         (
             ["recover.watchdog_timeout_s=0"],
@@ -623,7 +623,7 @@ def test_out_of_range_value_is_one_line_naming_the_key(overrides: list[str], exp
         [
             "recover.watchdog_timeout_s=null",
             "recover.heartbeat_period_s=0.5",
-            "recover.heartbeat_timeout_s=0.6",
+            "recover.heartbeat_timeout_s=1.6",
         ],
         [RECOVER_ON, "recover.faults=[{step: 2, kind: error, id: 8}, {step: 2, kind: error, id: 15}]"],
         [RECOVER_ON, "recover.faults=[{step: 3, kind: error, id: 20, persistent: true, phase: backward}]"],

@@ -1,4 +1,4 @@
-"""fail_stop and the Watchdog: hangs and fatal conditions must end in SIGKILL (DESIGN.md section 4)."""
+"""fail_stop and the Watchdog: hangs and fatal conditions must end in SIGKILL (docs/architecture.md, "Leaving")."""
 
 from __future__ import annotations
 

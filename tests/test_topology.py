@@ -1,4 +1,4 @@
-"""The static rank <-> (replica, pp, tp) mapping of DESIGN.md section 2 (tp fastest)."""
+"""The static rank <-> (replica, pp, tp) mapping (docs/architecture.md, "Topology"; tp fastest)."""
 
 from __future__ import annotations
 

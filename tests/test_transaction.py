@@ -13,7 +13,11 @@ from pathlib import Path
 import pytest
 from mpirun_utils import REPO, check, layout, run_cli
 
+from nanotron_recover.checkpoint import CheckpointReader
 from nanotron_recover.logging import read_incidents, read_metrics
+from nanotron_recover.outcome import read_outcome
+
+pytestmark = pytest.mark.mpi
 
 CONFIG = str(REPO / "configs" / "tiny_cpu.yaml")
 STEPS = 12
@@ -153,21 +157,31 @@ def test_spare_promotion_costs_no_extra_microbatch(tmp_path, local_dataset, plai
     assert step4["g_ext"] == 0
 
 
-def test_below_min_replicas_checkpoints_and_resumes(tmp_path, local_dataset, plain):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_below_min_replicas_checkpoints_and_resumes(tmp_path, local_dataset, plain, async_save):
+    """Two of four replicas lost with min_replicas=3: the last committed step is saved (also when
+    saves are asynchronous: the stop waits for it), the failure is logged, the exit is 3, and the
+    checkpoint resumes the same curve in plain mode."""
     faults = [
         {"step": 6, "replica": 1, "phase": "forward"},
         {"step": 6, "replica": 2, "phase": "forward"},
     ]
+    saves = [f"checkpoints.async_save={str(async_save).lower()}", "checkpoints.checkpoint_interval=2"]
     result = run(
         tmp_path,
         local_dataset.corpus_dir,
-        layout(1, 1, 4, 2) + recover(faults, min_replicas=3),
+        layout(1, 1, 4, 2) + recover(faults, min_replicas=3) + saves,
         4,
         expect_ok=False,
     )
-    assert result.returncode != 0
+    assert result.returncode == 3, result.output[-3000:]
     assert "below recover.min_replicas=3" in result.output
     assert "Saved step 5" in result.output
+    assert read_outcome(tmp_path)["kind"] == "too_few_replicas"
+    reader = CheckpointReader(tmp_path / "checkpoints")
+    reader.verify()
+    assert reader.step == 5, "the checkpoint the message names exists and is the latest"
+    assert {r for i in read_incidents(tmp_path) for r in i["failed_replicas"]} == {1, 2}
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
     # Resume the same config in plain mode: the curve continues as if nothing happened.
     run(tmp_path, local_dataset.corpus_dir, layout(1, 1, 4, 2), 4)

@@ -20,9 +20,12 @@ Everything else (model, fp32 gradient buffer, optimizer, clipping, checkpoints, 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,15 +33,24 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .checkpoint import CheckpointReader, PendingSave, latest_step, save_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    CheckpointReader,
+    PendingSave,
+    find_resume_checkpoint,
+    latest_step,
+    save_checkpoint,
+)
 from .config import Config, TokenizedDatasetArgs, check_world_size
 from .data import MicroBatchSource, build_microbatch_source
+from .errors import ExitCode, InputError, StopRun
 from .ft.faults import FaultInjector
 from .logging import MetricsWriter, ids_digest
 from .logging.progress import Progress
 from .logging.wandb_logger import RunLogger, run_name_for_config
 from .models.llama import LlamaStage
 from .optim import GradBuffer, MasterOptimizer, clip_grad_norm_, lr_at
+from .outcome import write_outcome
 from .parallel.context import ParallelContext
 from .parallel.pipeline_parallel import PipelineEngine, build_engine
 from .parallel.world import World, init_world
@@ -68,13 +80,38 @@ class ReducedStep:
 class DataParallelMode(Protocol):
     def setup_world(self) -> tuple[World, ParallelContext]: ...
     def attach(self, trainer: DistributedTrainer) -> None: ...
+    def agree_startup(self, error: str | None) -> str | None: ...
     def reduced_gradients(self, step: int) -> ReducedStep: ...
     def before_optimizer(self) -> None: ...
+    def fault_point(self, phase: str) -> None: ...
+    def after_step(self, step: int) -> None: ...
+    def local_phase(self, name: str) -> contextlib.AbstractContextManager[None]: ...
+    def request_stop(self, stop: StopRun) -> None: ...
+    def check_member(self) -> None: ...
+    def finish(self, last_step: int, resave: Callable[[int], Any] | None = None) -> None: ...
     def is_logger(self) -> bool: ...
     def is_checkpoint_writer(self) -> bool: ...
     def replica_id(self) -> int: ...
     def abort(self, error: BaseException) -> None: ...
     def close(self) -> None: ...
+
+
+def make_data_parallel(cfg: Config, run_dir: Path) -> DataParallelMode:
+    """The data-parallel mode the config asks for. The fault-tolerant one turns on ULFM's heartbeat
+    detector first: its parameters must be in place before MPI starts."""
+    if cfg.recover.enabled and cfg.recover.mode == "forward":
+        if "mpi4py.MPI" not in sys.modules:  # `train` starts MPI first thing; others start it here
+            from .ft.heartbeat import start_mpi
+
+            start_mpi(cfg.recover.heartbeat_period_s, cfg.recover.heartbeat_timeout_s)
+        from .recovery.transaction import ForwardRecovery
+
+        return ForwardRecovery(cfg, run_dir)
+    return PlainDataParallel(cfg, run_dir)
+
+
+# Stop kinds as codes for the plain mode's all-reduce (MAX: the most specific cause wins).
+_STOP_CODES = {kind: i + 1 for i, kind in enumerate(("too_few_replicas", "input", "io", "deterministic"))}
 
 
 class PlainDataParallel:
@@ -88,6 +125,7 @@ class PlainDataParallel:
     def __init__(self, cfg: Config, run_dir: Path | None = None):
         self.cfg, self.run_dir = cfg, run_dir
         self.injector: FaultInjector | None = None
+        self.pending_stop: StopRun | None = None
 
     def setup_world(self) -> tuple[World, ParallelContext]:
         world = init_world()
@@ -140,6 +178,47 @@ class PlainDataParallel:
         if self.injector is not None:
             self.injector.maybe_fail("optimizer", 0)
 
+    def agree_startup(self, error: str | None) -> str | None:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return error
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        return next((e for e in errors if e is not None), None)
+
+    def local_phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def request_stop(self, stop: StopRun) -> None:
+        if self.pending_stop is None:
+            self.pending_stop = stop
+
+    def _agree_stop(self) -> None:
+        """Every rank stops together if any rank asked to (one scalar all-reduce)."""
+        mine = _STOP_CODES[self.pending_stop.kind] if self.pending_stop is not None else 0
+        code = torch.tensor([mine], dtype=torch.int64, device=self.t.world.device)
+        if self.t.world.size > 1:
+            dist.all_reduce(code, op=dist.ReduceOp.MAX)
+        if code.item():
+            kind = next(k for k, c in _STOP_CODES.items() if c == code.item())
+            if self.pending_stop is not None and self.pending_stop.kind == kind:
+                raise self.pending_stop
+            raise StopRun(kind, f"stop requested by another rank ({kind})")
+
+    def after_step(self, step: int) -> None:
+        self._agree_stop()
+
+    def fault_point(self, phase: str) -> None:
+        if self.injector is not None:
+            self.injector.maybe_fail(phase, 0)
+
+    def finish(self, last_step: int, resave: Callable[[int], Any] | None = None) -> None:
+        self._agree_stop()
+        if self.t.world.rank == 0 and self.run_dir is not None:
+            self.t.write_outcome("completed", last_step)
+
+    def check_member(self) -> None:
+        pass
+
     def is_logger(self) -> bool:
         return self.t.world.rank == 0
 
@@ -150,10 +229,17 @@ class PlainDataParallel:
         return self.t.ctx.dp_rank
 
     def abort(self, error: BaseException) -> None:
+        if isinstance(error, StopRun) and self.t.world.rank == 0 and self.run_dir is not None:
+            self.t.write_outcome("stopped", self.t.last_committed, error)
         raise error
 
     def close(self) -> None:
-        pass
+        """Tear the torch world down in order, so no gloo thread is left alive at interpreter exit."""
+        if dist.is_initialized():
+            try:
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
 
 
 @dataclass
@@ -171,21 +257,41 @@ class StepResult:
 class DistributedTrainer:
     def __init__(self, cfg: Config, run_dir: str | Path, dp_mode: DataParallelMode | None = None):
         self.cfg, self.run_dir = cfg, Path(run_dir)
-        if dp_mode is None:
-            if cfg.recover.enabled and cfg.recover.mode == "forward":
-                from .recovery.transaction import ForwardRecovery
-
-                dp_mode = ForwardRecovery(cfg, self.run_dir)
-            else:
-                dp_mode = PlainDataParallel(cfg, self.run_dir)
-        self.dp_mode = dp_mode
-        self.world, self.ctx = dp_mode.setup_world()
+        self.dp_mode = dp_mode if dp_mode is not None else make_data_parallel(cfg, self.run_dir)
+        self.world, self.ctx = self.dp_mode.setup_world()
         if self.world.device.type == "cpu":
             set_cpu_threads()
-        p = cfg.parallelism
         self.B = cfg.microbatches_per_step
         self.G = cfg.tokens.batch_accumulation_per_replica
+        ck = cfg.checkpoints
+        self.checkpoints_path = (
+            Path(ck.checkpoints_path) if ck.checkpoints_path else self.run_dir / "checkpoints"
+        )
+        self._sources: dict[int, MicroBatchSource] = {}
+        self.target_step = cfg.tokens.train_steps
+        self.last_committed = 0
+        # Bad input found now (a damaged checkpoint, a truncated corpus, another tokenizer's corpus)
+        # may show on some ranks only: every rank learns the first error and stops the same way,
+        # instead of the others waiting for the failed ones in their first collective.
+        error = None
+        try:
+            self._build()
+        except (InputError, CheckpointError, OSError) as e:
+            error = " ".join(str(e).split())
+        agreed = self.dp_mode.agree_startup(error)
+        if agreed is not None:
+            raise InputError(agreed)
+        self.last_committed = self.start_step
+        self.dp_mode.attach(self)
+        self.metrics: MetricsWriter | None = None
+        self._history: list[dict[str, Any]] = []
+        # Real on the logging rank only (see _start_reporting); no-ops elsewhere.
+        self.run_logger = RunLogger()
+        self.progress = Progress(0, enabled=False)
+        self._pending_save: PendingSave | None = None
 
+    def _build(self) -> None:
+        cfg, p = self.cfg, self.cfg.parallelism
         self.stage = LlamaStage(
             cfg.model.model_config,
             tp_group=self.ctx.tp_group,
@@ -206,20 +312,10 @@ class DistributedTrainer:
         self.engine: PipelineEngine = build_engine(
             p.pp_engine, self.stage, self.ctx, t.micro_batch_size, t.sequence_length
         )
-        self._sources: dict[int, MicroBatchSource] = {}
-
-        ck = cfg.checkpoints
-        self.checkpoints_path = (
-            Path(ck.checkpoints_path) if ck.checkpoints_path else self.run_dir / "checkpoints"
-        )
+        # Open (and so check) every data stage's corpus now, not when its first step comes.
+        for stage in cfg.data_stages:
+            self.source_for(max(stage.start_training_step, 1))
         self.start_step = self._maybe_resume()
-        self.dp_mode.attach(self)
-        self.metrics: MetricsWriter | None = None
-        self._history: list[dict[str, Any]] = []
-        # Real on the logging rank only (see _start_reporting); no-ops elsewhere.
-        self.run_logger = RunLogger()
-        self.progress = Progress(0, enabled=False)
-        self._pending_save: PendingSave | None = None
 
     # -- data --------------------------------------------------------------------------------
     def source_for(self, step: int) -> MicroBatchSource:
@@ -243,14 +339,14 @@ class DistributedTrainer:
 
     # -- checkpoints -------------------------------------------------------------------------
     def _maybe_resume(self) -> int:
-        """Resume from ``resume_checkpoint_path`` or, failing that, this run's own latest checkpoint."""
+        """Resume from ``resume_checkpoint_path`` or, failing that, this run's own latest checkpoint.
+
+        Everything is checked before any state changes: the checkpoint belongs to this run (unless
+        named explicitly), has this model's shapes, and every file this rank needs is readable."""
         ck = self.cfg.checkpoints
-        path = ck.resume_checkpoint_path
-        if path is None and latest_step(self.checkpoints_path) is not None:
-            path = self.checkpoints_path
-        if path is None:
+        reader = find_resume_checkpoint(self.cfg, self.checkpoints_path, rank=self.world.rank)
+        if reader is None:
             return 0
-        reader = CheckpointReader(path)
         reader.load_model(self.stage)
         if ck.load_optimizer:
             self.optimizer.load_state_tensors(reader.load_optimizer_state(self.stage), reader.step)
@@ -259,35 +355,76 @@ class DistributedTrainer:
             print(f"[nanotron-recover] resumed from {reader.path} at step {reader.step}", flush=True)
         return reader.step
 
-    def save(self, step: int) -> Path | None:
+    def save(self, step: int, synchronous: bool = False) -> Path | None:
         """Collective over the ranks that write (all of them in plain mode, one replica in
         fault-tolerant mode). With asynchronous saves this returns once the state is staged in CPU
-        memory; the previous save is always finished first."""
+        memory; the previous save is always finished first. Raises CheckpointError when the save
+        failed (nothing was published: the previous checkpoint stays the latest)."""
         if not self.dp_mode.is_checkpoint_writer():
             return None
-        self.wait_for_save()
-        r, ck = self.cfg.recover, self.cfg.checkpoints
-        asynchronous = ck.async_save or (r.enabled and r.mode == "checkpoint_restart")
-        saved = save_checkpoint(
-            self.checkpoints_path,
-            step,
-            self.cfg,
-            self.stage,
-            self.optimizer.state_tensors(),
-            tp=self.ctx.tp,
-            pp=self.ctx.pp,
-            dp_rank=self.ctx.dp_rank,
-            asynchronous=asynchronous,
-        )
+        self.dp_mode.check_member()
+        with self.dp_mode.local_phase("save"):
+            self.wait_for_save()
+            self.dp_mode.fault_point("save")
+            r, ck = self.cfg.recover, self.cfg.checkpoints
+            asynchronous = not synchronous and (
+                ck.async_save or (r.enabled and r.mode == "checkpoint_restart")
+            )
+            saved = save_checkpoint(
+                self.checkpoints_path,
+                step,
+                self.cfg,
+                self.stage,
+                self.optimizer.state_tensors(),
+                tp=self.ctx.tp,
+                pp=self.ctx.pp,
+                dp_rank=self.ctx.dp_rank,
+                asynchronous=asynchronous,
+            )
         if isinstance(saved, PendingSave):
             self._pending_save = saved
             return saved.path
         return saved
 
     def wait_for_save(self) -> None:
-        if self._pending_save is not None:
-            self._pending_save.wait()
+        """Finish the save in flight; raises its CheckpointError if it failed."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.wait()
+
+    def _save_or_stop(self, step: int, synchronous: bool = False) -> None:
+        """A save that fails for a reason of its own (a full disk) stops the whole job at the next
+        agree; the previous checkpoint stays the latest. Training state is not lost with it."""
+        try:
+            self.save(step, synchronous=synchronous)
+        except CheckpointError as e:
+            self.dp_mode.request_stop(StopRun("io", " ".join(str(e).split())))
+
+    def _poll_save(self) -> None:
+        """An asynchronous save that failed in the background stops the job too."""
+        pending = self._pending_save
+        if pending is not None and pending.done:
             self._pending_save = None
+            try:
+                pending.wait()
+            except CheckpointError as e:
+                self.dp_mode.request_stop(StopRun("io", " ".join(str(e).split())))
+
+    def _resave_final(self, step: int) -> None:
+        """The replica that wrote the final checkpoint failed before the end: write it again."""
+        if latest_step(self.checkpoints_path) != step:
+            self._save_or_stop(step, synchronous=True)
+
+    def write_outcome(self, status: str, last_step: int, stop: StopRun | None = None) -> None:
+        write_outcome(
+            self.run_dir,
+            status=status,
+            last_step=last_step,
+            target_step=self.target_step,
+            exit_code=stop.exit_code if stop is not None else ExitCode.OK,
+            kind=stop.kind if stop is not None else None,
+            message=stop.message if stop is not None else None,
+        )
 
     # -- one optimizer step ------------------------------------------------------------------
     def _sync_tied_grads(self) -> None:
@@ -303,15 +440,21 @@ class DistributedTrainer:
         t0 = time.perf_counter()
         reduced = self.dp_mode.reduced_gradients(step)
         self.dp_mode.before_optimizer()
-        self._sync_tied_grads()
-        grad_norm = clip_grad_norm_(
-            self.grads, self.stage.specs, self.cfg.optimizer.clip_grad, self.ctx.tp_rank, self.ctx.mp_group
-        )
-        lr = lr_at(step - 1, self.cfg.optimizer.learning_rate_scheduler, self.cfg.tokens.train_steps)
-        self.optimizer.step(lr)
-        self.grads.zero_()
-        if self.world.device.type == "cuda":
-            torch.cuda.synchronize()
+        with self.dp_mode.local_phase("optimizer"):
+            self._sync_tied_grads()
+            grad_norm = clip_grad_norm_(
+                self.grads,
+                self.stage.specs,
+                self.cfg.optimizer.clip_grad,
+                self.ctx.tp_rank,
+                self.ctx.mp_group,
+            )
+            lr = lr_at(step - 1, self.cfg.optimizer.learning_rate_scheduler, self.cfg.tokens.train_steps)
+            self.optimizer.step(lr)
+            self.grads.zero_()
+            if self.world.device.type == "cuda":
+                torch.cuda.synchronize()
+        self.last_committed = step
         dt = time.perf_counter() - t0
         return StepResult(step, reduced.loss, lr, grad_norm, reduced.ids, dt, reduced.replicas, reduced.extra)
 
@@ -326,17 +469,24 @@ class DistributedTrainer:
         if ck.save_initial_state and self.start_step == 0:
             self.save(0)
         last = t.train_steps if stop_after_step is None else min(stop_after_step, t.train_steps)
+        self.target_step = last
+        final_save = ck.save_final_state or stop_after_step is not None
         try:
             for step in range(self.start_step + 1, last + 1):
                 r = self.train_step(step)
                 results.append(r)
                 self._log(r)
                 due = ck.checkpoint_interval and step % ck.checkpoint_interval == 0
-                final = step == last and (ck.save_final_state or stop_after_step is not None)
-                if due or final:
-                    self.save(step)
-            self.wait_for_save()
+                if due or (step == last and final_save):
+                    self._save_or_stop(step)
+                self._poll_save()
+                self.dp_mode.after_step(step)
+            try:
+                self.wait_for_save()
+            except CheckpointError as e:
+                self.dp_mode.request_stop(StopRun("io", " ".join(str(e).split())))
             self.write_parameter_digest()
+            self.dp_mode.finish(last, resave=self._resave_final if final_save else None)
         except Exception as error:
             self.run_logger.finish(exit_code=1)
             self.dp_mode.abort(error)
@@ -386,6 +536,7 @@ class DistributedTrainer:
         del self._history[:-HISTORY_STEPS]
         if not self.dp_mode.is_logger():
             return
+        self.dp_mode.check_member()
         if self.metrics is None:
             self._start_reporting()  # taking over from the failed logging replica
         for rec in self._history:

@@ -415,11 +415,12 @@ def _validate_recover(cfg: Config) -> None:
         )
     if not _positive(r.heartbeat_period_s):
         raise ConfigError(f"recover.heartbeat_period_s must be > 0, got {r.heartbeat_period_s}")
-    if not r.heartbeat_timeout_s > r.heartbeat_period_s:
+    if not r.heartbeat_timeout_s > 3 * r.heartbeat_period_s:
+        # Open MPI's own rule for its detector: a timeout of a few periods tolerates a late heartbeat.
         raise ConfigError(
-            f"recover.heartbeat_timeout_s={r.heartbeat_timeout_s} must be greater than "
-            f"recover.heartbeat_period_s={r.heartbeat_period_s}: a rank is declared failed after a "
-            "timeout without heartbeats, so a timeout within one period would declare healthy ranks failed"
+            f"recover.heartbeat_timeout_s={r.heartbeat_timeout_s} must be greater than 3 x "
+            f"recover.heartbeat_period_s={r.heartbeat_period_s}: a rank silent for the timeout is declared "
+            "failed, so a timeout of fewer than three periods declares healthy ranks failed"
         )
     for i, f in enumerate(r.faults):
         _validate_fault(cfg, f, f"recover.faults[{i}]")

@@ -1,4 +1,4 @@
-"""Fault tolerance: the ULFM communicator, world epochs, topology and fail-stop (DESIGN.md section 3.1).
+"""Fault tolerance: the ULFM communicator, world epochs, topology and fail-stop (docs/architecture.md).
 
 The communicator names are re-exported lazily: importing ``mpi4py.MPI`` initializes
 MPI, which a process that only needs the topology or the watchdog (a unit test,

@@ -319,11 +319,12 @@ class FaultTolerantComm:
         # True while this rank is inside allreduce_/agree/recover: MPI itself will tell it about
         # failures then, so the failure watch leaves it alone.
         self.in_ft_operation = False
-        self._watch = None
-        if on_failure_notice is not None:
-            from .watch import FailureWatch
+        # The process's failure watch: it also carries the heartbeats (see .heartbeat).
+        from .watch import ensure_watch
 
-            self._watch = FailureWatch(base, on_failure_notice)
+        watch = ensure_watch(base)
+        if on_failure_notice is not None:
+            watch.subscribe(on_failure_notice)
 
     # ----------------------------------------------------------------- accessors
     @property
@@ -458,9 +459,9 @@ class FaultTolerantComm:
         self._global.Barrier()
 
     def stop_watch(self) -> None:
-        if self._watch is not None:
-            self._watch.stop()
-            self._watch = None
+        from .watch import stop_watch
+
+        stop_watch()
 
     def close(self) -> None:
         """Free the owned communicators (end of job). Idempotent."""

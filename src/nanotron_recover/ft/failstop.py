@@ -7,18 +7,22 @@ failure*. Two things here make sure of that:
    Why not ``sys.exit(1)``: with Open MPI 5.0.11 + ULFM a rank that exits with a
    non-zero status is not reported to the survivors, which then block forever
    in their next collective; a SIGKILLed rank is reported within tens of ms
-   (DESIGN.md section 4). SIGKILL also skips ``atexit`` handlers, ``MPI_Finalize``
+   (docs/architecture.md, "Leaving"). SIGKILL also skips ``atexit`` handlers, ``MPI_Finalize``
    and torch's destructors, none of which can be trusted in a broken world.
    Before dying it prints the reason and flushes stdio so the incident is in
    the logs.
-2. :class:`Watchdog` turns a *hang* into that same fail-stop. The training loop
-   wraps each phase (forward, backward, gate, reduce, optimizer) in
-   ``with watchdog.phase("backward", deadline_s):``. A daemon thread sleeps
-   until the earliest open deadline; if a phase is still open when its
-   deadline passes, the thread prints which phase hung and for how long, then
-   calls :func:`fail_stop`. A hang that no library reports (a stuck NCCL
-   kernel, a peer that never answers) therefore becomes a visible failure, and
-   the other replicas recover from it as from any crash.
+2. :class:`Watchdog` turns a *local* hang into that same fail-stop. The training
+   loop wraps each phase that only this replica takes part in (compute, gate,
+   optimizer, its own reductions, checkpoint save) in
+   ``with watchdog.phase("compute", deadline_s):``. A daemon thread sleeps until
+   the earliest open deadline; if a phase is still open when its deadline passes,
+   the thread prints which phase hung and for how long, then calls
+   :func:`fail_stop`. A hang inside this replica (a stuck kernel, a save that
+   never ends) therefore becomes a visible failure, and the other replicas
+   recover from it as from any crash. Waits on *other* replicas are never
+   guarded here: a frozen rank elsewhere is the heartbeat detector's business,
+   and a watchdog firing there would kill a healthy replica for someone else's
+   hang.
 
 A deadline of ``None`` or ``0`` disables the check for that phase, so the same
 code runs with the watchdog off.

@@ -60,25 +60,3 @@ def read_records(run_dir: str | Path, ranks: list[int] | None = None, since: flo
         if (ranks is None or record.get("rank") in ranks) and record.get("time", 0.0) >= since:
             out.append(record)
     return sorted(out, key=lambda r: r["time"])
-
-
-def announce_once(run_dir: str | Path, key: str, line: str, fallback: bool = True) -> bool:
-    """Print ``line`` to stderr unless another rank already announced ``key`` for this run.
-
-    Several ranks often meet the same cause at once (every TP rank of a replica fails on the same
-    bad sample); the user should read it once. When the marker cannot be written (a full disk),
-    only callers with ``fallback`` print.
-    """
-    marker = faults_dir(run_dir) / f"announced-{key}"
-    try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    except OSError:
-        if not fallback:
-            return False
-    import sys
-
-    print(line, file=sys.stderr, flush=True)
-    return True

@@ -1,6 +1,6 @@
 """Pure mapping between MPI ranks and (replica, pp, tp) coordinates.
 
-The job is launched as ``W_init * PP * TP`` MPI ranks (DESIGN.md section 2).
+The job is launched as ``W_init * PP * TP`` MPI ranks (docs/architecture.md, "Topology").
 The mapping is fixed for the lifetime of the job and never depends on which
 ranks are still alive, so any rank can compute any other rank's coordinates
 (and the failed replicas from a set of failed ranks) without communication:

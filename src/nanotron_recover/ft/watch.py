@@ -13,6 +13,10 @@ reads the failed group (``MPI_Comm_get_failed``), acknowledges it so the next re
 *new* failures only, reports the newly failed initial ranks to a callback, and posts a new
 receive. It polls with ``Test`` every ``poll_s`` (MPI is initialized with ``MPI_THREAD_MULTIPLE``).
 
+The thread's polling is also what carries ULFM's heartbeats while the main thread computes (the
+detector runs without a thread of its own, see :mod:`.heartbeat`), so there is one watch per
+process (:func:`ensure_watch`), started right after ``MPI_Init``; callbacks subscribe to it.
+
 The callback decides what to do; the transaction's rule is: if a member of my replica failed and
 I am not inside a fault-tolerant MPI operation (which would learn it itself), my replica is lost,
 so leave now instead of waiting for a library timeout.
@@ -30,16 +34,11 @@ _TAG = 0x7A7C  # never sent by anyone
 
 
 class FailureWatch:
-    def __init__(
-        self,
-        base: MPI.Comm,
-        on_failure: Callable[[list[int], float], None],
-        poll_s: float = 0.05,
-    ) -> None:
+    def __init__(self, base: MPI.Comm, poll_s: float = 0.05) -> None:
         self._comm = base.Dup()
         self._comm.Set_errhandler(MPI.ERRORS_RETURN)
         self._group = self._comm.Get_group()
-        self._on_failure = on_failure
+        self._subscribers: list[Callable[[list[int], float], None]] = []
         self._poll_s = poll_s
         self._known: set[int] = set()
         self._stop = threading.Event()
@@ -50,6 +49,10 @@ class FailureWatch:
     def known_failed(self) -> set[int]:
         """Initial ranks this watch has seen fail."""
         return set(self._known)
+
+    def subscribe(self, on_failure: Callable[[list[int], float], None]) -> None:
+        """Call ``on_failure(newly failed initial ranks, wall time)`` for every failure seen from now on."""
+        self._subscribers.append(on_failure)
 
     def stop(self) -> None:
         self._stop.set()
@@ -78,9 +81,9 @@ class FailureWatch:
                     failed = set()
                 new = sorted(failed - self._known)
                 self._known |= failed
-                if new:
+                for callback in list(self._subscribers) if new else ():
                     try:
-                        self._on_failure(new, noticed)
+                        callback(new, noticed)
                     except Exception:
                         pass  # a failing callback must not stop the watch
                 try:
@@ -89,3 +92,22 @@ class FailureWatch:
                     return
                 continue
             self._stop.wait(self._poll_s)
+
+
+_watch: FailureWatch | None = None
+
+
+def ensure_watch(base: MPI.Comm) -> FailureWatch:
+    """This process's watch over ``base`` (the launch communicator), started on first use."""
+    global _watch
+    if _watch is None:
+        _watch = FailureWatch(base)
+    return _watch
+
+
+def stop_watch() -> None:
+    """Stop the watch (at the very end: heartbeats then stop too)."""
+    global _watch
+    if _watch is not None:
+        _watch.stop()
+        _watch = None

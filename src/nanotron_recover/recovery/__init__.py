@@ -1,4 +1,4 @@
-"""In-step recovery: bucket snapshots and the step transaction (DESIGN.md section 3.2)."""
+"""In-step recovery: bucket snapshots and the step transaction (docs/architecture.md)."""
 
 from .buckets import Bucket, BucketedReduction
 

@@ -9,11 +9,13 @@ communicator (``ft.comm``). A step ``s`` runs as follows on every rank:
    fp32 buffer. No cross-replica traffic. A Spare moves its shadow gradients aside: it contributes
    zeros unless promoted.
 3. *Gate.* A barrier in the replica's torch world: if a member of this replica died, every other
-   member learns it here (or earlier, from a broken gloo/NCCL call) and kills itself, so a replica
-   is always whole or gone.
+   member learns it here (or earlier, from a broken gloo/NCCL call, or from the failure watch) and
+   leaves, so a replica is always whole or gone.
 4. *Reduce.* The gradient buffer, plus a bookkeeping vector (per id: how many replicas contributed
-   it, and its loss), is summed over the DP communicator in snapshotted, epoch-tagged buckets.
-5. *Commit.* ``agree`` on the global communicator. It returns only if no rank failed.
+   it, and its loss; per replica: when it saw the last failure), is summed over the DP communicator
+   in snapshotted, epoch-tagged buckets.
+5. *Commit.* ``agree`` on the global communicator. It returns only if no rank failed; it also
+   carries stop requests (below).
 
 A failure anywhere in 2-5 surfaces on the survivors as ``WorldChanged`` from the reduction or the
 agree, after the communicator has shrunk to the survivors (members of a failed replica leave by
@@ -25,16 +27,45 @@ new epoch. This repeats for failures during recovery. At commit the bookkeeping 
 every id of the step exactly once: the summed gradient is exactly the fault-free run's, divided by
 the same ``B``. The next step plans again for the replicas that are left.
 
-Below ``recover.min_replicas`` the survivors checkpoint the last committed step and stop with a
-non-zero status; that checkpoint resumes in either mode.
+Hangs and deadlines. Waits on other replicas (reduce, agree, recovery) have no deadline here: a
+frozen rank elsewhere is declared failed by ULFM's heartbeat detector, and killing ourselves for it
+would take a healthy replica down with it. Everything only this replica can see -- compute, the
+gate, the optimizer and its local reductions, the loss reduction, checkpoint saves -- runs under
+the watchdog (``recover.watchdog_timeout_s``): when a local phase outlives it, the stuck replica is
+the one that leaves.
+
+Failure kinds. A rank that leaves for a reason it knows writes a failure record first
+(``ft/records.py``): ``hang`` (watchdog), ``peer_error`` (gloo/NCCL error in its replica, or a
+replica peer reported failed by the watch), ``oom``, ``io``, ``error`` (an exception while
+computing micro-batch ``i``). When a replica computing a lost id ``i`` raises the same exception
+(type and message) that an earlier replica raised on ``i``, the error is ``deterministic``: redoing
+it elsewhere cannot help. Records of kind ``io`` or ``deterministic`` stop the job instead of being
+repaired. Failures without a record are ``crash`` (the process is gone) or ``hang`` (it still ran
+on a survivor's host at the commit; it is SIGKILLed there).
+
+Stops. A fault that is not a replica failure -- a full disk when saving, a deterministic error --
+stops the whole job once: the rank that meets it requests a stop, the request rides on the next
+step agree (or the final one), every survivor learns it from the same agree, the logging rank
+writes ``outcome.json``, one line names the cause, and every rank exits with the same non-zero
+status. Below ``recover.min_replicas`` the survivors checkpoint the last committed step
+(synchronously) and stop the same way; that checkpoint resumes in either mode.
+
+``detect_s`` of an incident: from the failure to the first survivor that saw it surface in MPI.
+The time of the failure is the failed rank's record when it left one (injected faults, watchdog,
+errors); otherwise (a process killed or frozen from outside) it is the moment the first survivor
+began the operation that then failed, i.e. the first sign of the failure on any survivor
+(``detect_method``: ``record`` or ``first_wait``). ``recover_s`` runs from noticing to the commit,
+minus ``redo_s``, the time spent recomputing lost micro-batches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -44,11 +75,14 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, check_world_size
+from ..errors import STOP_KINDS, ExitCode, StopRun
 from ..ft.comm import FaultTolerantComm, RecoveryResult, TooFewReplicas, WorldChanged
 from ..ft.failstop import Watchdog, fail_stop
-from ..ft.faults import FaultInjector, read_deaths
+from ..ft.faults import FaultInjector
+from ..ft.records import read_records, write_record
 from ..ft.replica_world import init_replica_world
 from ..logging import IncidentLog
+from ..outcome import SUPERVISED_ENV, write_outcome
 from ..parallel.context import ParallelContext
 from ..parallel.world import World
 from ..policy import CoverageError, StepPlan, repair, steady_plan
@@ -57,19 +91,27 @@ from .buckets import BucketedReduction
 if TYPE_CHECKING:
     from ..trainer import DistributedTrainer, ReducedStep
 
-EXIT_TOO_FEW_REPLICAS = 3
+# Each stop kind is one bit of the step agree's stop set.
+STOP_BITS = {kind: 1 << i for i, kind in enumerate(sorted(STOP_KINDS))}
+# Which kind wins when several stops are agreed at once (the most specific cause first).
+STOP_ORDER = ("deterministic", "io", "input", "too_few_replicas")
+# Failure-record kinds that stop the job instead of being repaired forward.
+RECORD_STOP_KINDS = ("deterministic", "io")
+# Incident kind from the kinds of the records (and the unrecorded failures) of one recovery.
+KIND_PRIORITY = ("deterministic", "io", "oom", "error", "hang", "crash", "peer_error")
 
 
 @dataclass
 class Incident:
     step: int
     phase: str
+    kind: str
     result: RecoveryResult
     action: str
     lost_ids: list[int]
     extra_microbatches: int
     noticed: float  # perf_counter when this survivor learned of the failure
-    detect_s: float | None
+    failed_at: float | None  # wall clock of the failure, from a failure record
     compute_s: float = 0.0  # redone micro-batches after noticing (excluded from recover_s)
 
 
@@ -82,13 +124,48 @@ class StepState:
     g_ext: int = 0
 
 
+def is_peer_error(error: BaseException) -> bool:
+    """An error of the replica's own collectives (a peer died or the link broke), not of the math."""
+    if isinstance(error, getattr(dist, "DistBackendError", ())) or isinstance(
+        error, getattr(dist, "DistError", ())
+    ):
+        return True
+    text = str(error).lower()
+    return any(
+        word in text for word in ("gloo", "nccl", "connection reset", "connection closed", "broken pipe")
+    )
+
+
+def error_kind(error: BaseException) -> str:
+    if is_peer_error(error):
+        return "peer_error"
+    if isinstance(error, (MemoryError, getattr(torch.cuda, "OutOfMemoryError", MemoryError))):
+        return "oom"
+    if isinstance(error, OSError):
+        return "io"
+    return "error"
+
+
+def signature(error: BaseException) -> str:
+    """What makes two exceptions "the same": type and message, one line."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"[:500]
+
+
 class ForwardRecovery:
     def __init__(self, cfg: Config, run_dir: Path):
         self.cfg, self.run_dir, self.args = cfg, Path(run_dir), cfg.recover
-        self.watchdog = Watchdog()
-        self.started = time.time()  # death records older than this belong to an earlier run
+        self.watchdog = Watchdog(on_expire=self._on_watchdog_expire)
+        self.started = time.time()  # failure records older than this belong to an earlier run
         self.in_recovery = False
-        self.restore_event: torch.cuda.Event | None = None
+        self.restore_handle: Any = None
+        self.step = 0
+        self.phase = "start"
+        self.computing: tuple[int, ...] = ()
+        self.current_id: int | None = None
+        self.pending_stop: StopRun | None = None
+        # (began, surfaced) wall times of the operation in which this rank last saw a failure.
+        self.last_failure_view: tuple[float, float] = (0.0, 0.0)
+        self.last_step = 0
 
     # -- set-up ----------------------------------------------------------------------------
     def setup_world(self) -> tuple[World, ParallelContext]:
@@ -96,21 +173,59 @@ class ForwardRecovery:
 
         check_world_size(self.cfg, MPI.COMM_WORLD.Get_size())
         p = self.cfg.parallelism
-        self.ftc = FaultTolerantComm(p.tp, p.pp, p.dp, on_leave=self._on_leave)
+        self.ftc = FaultTolerantComm(
+            p.tp, p.pp, p.dp, on_leave=self._on_leave, on_failure_notice=self._on_failure_notice
+        )
+        self.my_replica_ranks = set(self.ftc.topology.ranks_of_replica(self.ftc.replica))
         world = init_replica_world(self.ftc)
         ctx = ParallelContext.create(p.tp, p.pp, 1, world.device)
         self.injector = FaultInjector(self.args, self.ftc.rank, self.ftc.replica, self.run_dir)
+        if self.ftc.rank == 0:
+            self._write_rank_table()
         return world, ctx
+
+    def _write_rank_table(self) -> None:
+        """``<run_dir>/ranks.json``: host and pid of every rank, for operators (and tests)."""
+        import json
+
+        table = [
+            {**info.as_dict(), "replica": self.ftc.topology.replica_of(info.rank)}
+            for info in self.ftc.processes
+        ]
+        try:
+            (self.run_dir / "ranks.json").write_text(json.dumps(table, indent=1) + "\n")
+        except OSError:
+            pass
 
     def attach(self, trainer: DistributedTrainer) -> None:
         self.t = trainer
         self.B = trainer.B
-        # Per id of the step: [0, B) how many replicas contributed it, [B, 2B) its loss.
-        self.bookkeeping = torch.zeros(2 * self.B, dtype=torch.float64)
+        self.W = self.cfg.parallelism.dp
+        # [0, B): how many replicas contributed each id; [B, 2B): its loss; then per replica, when
+        # it last saw a failure: [2B, 2B+W) the failing operation began, [2B+W, 2B+2W) it raised.
+        self.bookkeeping = torch.zeros(2 * self.B + 2 * self.W, dtype=torch.float64)
         numel = max(1, int(self.args.bucket_size_mb * 2**20) // 4)
         self.reduction = BucketedReduction([trainer.grads.flat, self.bookkeeping], numel)
         trainer.engine.event_hook = self._engine_event
         self.incident_log = IncidentLog(self.run_dir / "incidents.jsonl")
+
+    def agree_startup(self, error: str | None) -> str | None:
+        """Every rank's start-up went well, or every rank gets the first error (lowest rank)."""
+        errors = self.ftc.global_comm.allgather(error)
+        return next((e for e in errors if e is not None), None)
+
+    # -- leaving -------------------------------------------------------------------------------
+    def _record(self, kind: str, **extra: Any) -> None:
+        record = {"rank": self.ftc.rank, "replica": self.ftc.replica, "step": self.step, "phase": self.phase}
+        write_record(
+            self.run_dir, f"step{self.step}_{kind}_rank{self.ftc.rank}", {**record, **extra, "kind": kind}
+        )
+
+    def _leave(self, kind: str, reason: str, **extra: Any) -> None:
+        """This replica is lost (or stuck): record why, then fail-stop so the others recover."""
+        self._record(kind, message=reason, **extra)
+        # The full reason is in the record (and, for a stop, in the outcome): one short line here.
+        fail_stop(f"rank {self.ftc.rank} (replica {self.ftc.replica}) leaves: {kind} during {self.phase}")
 
     def _on_leave(self, result: RecoveryResult) -> None:
         print(
@@ -119,6 +234,16 @@ class ForwardRecovery:
             file=sys.stderr,
             flush=True,
         )
+
+    def _on_failure_notice(self, ranks: list[int], when: float) -> None:
+        """Watch thread: a member of my replica failed while I was outside MPI: my replica is lost."""
+        mine = getattr(self, "my_replica_ranks", set())
+        lost = sorted(mine.intersection(ranks))
+        if lost and not self.ftc.in_ft_operation:
+            self._leave("peer_error", f"replica peer rank(s) {lost} failed during {self.phase}")
+
+    def _on_watchdog_expire(self, reason: str) -> None:
+        self._record("hang", message=reason)
 
     # -- roles -------------------------------------------------------------------------------
     def is_logger(self) -> bool:
@@ -130,39 +255,106 @@ class ForwardRecovery:
     def replica_id(self) -> int:
         return self.ftc.replica
 
+    @contextlib.contextmanager
+    def local_phase(self, name: str) -> Iterator[None]:
+        """A phase only this replica takes part in: under the watchdog's deadline."""
+        previous, self.phase = self.phase, name
+        try:
+            with self.watchdog.phase(name, self.args.watchdog_timeout_s):
+                yield
+        finally:
+            self.phase = previous
+
+    def check_member(self) -> None:
+        """Before writing shared files: a rank removed from the job (frozen, then woken up) must not."""
+        if (self.run_dir / "fence" / f"rank{self.ftc.rank}").exists():
+            fail_stop(f"rank {self.ftc.rank} was removed from the job; not writing")
+
+    def request_stop(self, stop: StopRun) -> None:
+        """Stop the whole job at the next agree (the first request wins)."""
+        if self.pending_stop is None:
+            self.pending_stop = stop
+
     def abort(self, error: BaseException) -> None:
-        """Any error escaping the step becomes a fail-stop: an exception exit would not be reported
-        to the other replicas (DESIGN.md section 4), which would then wait for this rank forever."""
+        """Any other error escaping the step becomes a fail-stop: an exception exit would not be
+        reported to the other replicas, which would then wait for this rank forever."""
         traceback.print_exception(error)
-        fail_stop(f"rank {self.ftc.rank}: {type(error).__name__}: {error}")
+        kind = (
+            error.kind
+            if isinstance(error, StopRun) and error.kind in RECORD_STOP_KINDS
+            else error_kind(error)
+        )
+        self._leave(kind, f"{type(error).__name__}: {' '.join(str(error).split())}")
 
     # -- phases --------------------------------------------------------------------------------
     def _engine_event(self, kind: str, index: int) -> None:
+        if kind == "forward" and index < len(self.computing):
+            self.current_id = self.computing[index]
         if self.in_recovery:
             if kind == "forward":
                 self.injector.maybe_fail("recovery", index)
         else:
             self.injector.maybe_fail(kind, index)
-        if kind == "backward" and self.restore_event is not None:
+        if kind == "forward" and self.current_id is not None:
+            self.injector.maybe_raise(self.current_id)
+        if kind == "backward" and self.restore_handle is not None:
             # Asynchronous restore: gradients may accumulate only once the buffer is restored.
-            torch.cuda.current_stream().wait_event(self.restore_event)
-            self.restore_event = None
+            self._wait_restore()
+
+    def _wait_restore(self) -> None:
+        if self.restore_handle is not None:
+            self.restore_handle.wait()
+            self.restore_handle = None
 
     def _compute(self, step: int, ids: tuple[int, ...], state: StepState) -> None:
         if not ids:
             return
         t = self.t
         source = t.source_for(step)
+        self.computing = ids
         try:
-            with self.watchdog.phase("compute", self.args.watchdog_timeout_s):
+            with self.local_phase("recovery" if self.in_recovery else "compute"):
                 losses = t.engine.train_batch([source.get(i) for i in ids], loss_scale=1.0 / self.B)
-        except Exception:
-            # A broken torch world means a member of this replica died: the replica is gone.
-            traceback.print_exc()
-            fail_stop(f"rank {self.ftc.rank}: compute failed in replica {self.ftc.replica}")
+        except Exception as error:
+            self._compute_failed(step, error)
+        finally:
+            self.computing, self.current_id = (), None
         keep_loss = t.ctx.is_last_stage and t.ctx.tp_rank == 0
         for k, i in enumerate(ids):
             state.computed[i] = float(losses[k]) if keep_loss else 0.0
+
+    def _compute_failed(self, step: int, error: BaseException) -> None:
+        """An exception while computing: this replica's torch world can no longer be trusted, so the
+        replica leaves; the record tells the survivors whether to repair forward or stop."""
+        kind = error_kind(error)
+        sig = signature(error)
+        ids = [self.current_id] if self.current_id is not None else list(self.computing)
+        message = f"{sig} (micro-batch {ids} of step {step})"
+        if kind in ("error", "oom"):
+            for earlier in read_records(self.run_dir, since=self.started):
+                if (
+                    earlier.get("replica") != self.ftc.replica
+                    and earlier.get("error") == sig
+                    and set(earlier.get("ids") or ()) & set(ids)
+                ):
+                    kind = "deterministic"
+                    message = (
+                        f"deterministic error: micro-batch {ids} of step {step} failed in replica "
+                        f"{earlier['replica']} and again in replica {self.ftc.replica}: {sig}"
+                    )
+                    break
+        if kind == "peer_error":
+            print(f"[nanotron-recover] rank {self.ftc.rank}: {sig}", file=sys.stderr, flush=True)
+        else:
+            traceback.print_exception(error)
+        if (
+            kind in RECORD_STOP_KINDS
+            and self.ftc.alive_replicas == [self.ftc.replica]
+            and self.ftc.local_rank == 0
+        ):
+            # No other replica is left to stop the job: say it and record it here.
+            self._end_with(self.last_step, StopRun(kind, message))
+        self._leave(kind, message, ids=ids, error=sig)
 
     def _gate(self) -> None:
         self.injector.maybe_fail("gate", 0)
@@ -170,13 +362,13 @@ class ForwardRecovery:
         if world.size == 1:
             return
         try:
-            with self.watchdog.phase("gate", self.args.gate_timeout_s * 2):
+            with self.local_phase("gate"):
                 if world.backend == "gloo":
                     dist.monitored_barrier(timeout=timedelta(seconds=self.args.gate_timeout_s))
                 else:
                     dist.barrier()
         except Exception as e:
-            fail_stop(f"rank {self.ftc.rank}: replica-consistency gate failed: {e}")
+            self._leave("peer_error", f"replica-consistency gate failed: {' '.join(str(e).split())[:300]}")
 
     def _fill_bookkeeping(self, state: StepState, first_id: int) -> None:
         self.bookkeeping.zero_()
@@ -185,16 +377,24 @@ class ForwardRecovery:
                 raise CoverageError(f"replica {self.ftc.replica} contributes id {i} it never computed")
             self.bookkeeping[i - first_id] += 1.0
             self.bookkeeping[self.B + i - first_id] += state.computed[i]
+        began, surfaced = self.last_failure_view
+        self.bookkeeping[2 * self.B + self.ftc.replica] = began
+        self.bookkeeping[2 * self.B + self.W + self.ftc.replica] = surfaced
+
+    def _stop_bits(self) -> int:
+        return 0 if self.pending_stop is None else STOP_BITS[self.pending_stop.kind]
 
     # -- the step ------------------------------------------------------------------------------
     def reduced_gradients(self, step: int) -> ReducedStep:
         from ..trainer import ReducedStep
 
+        self.step = step
         alive = self.ftc.alive_replicas
         self.injector.begin_step(step, alive)
         # The policy counts steps from 0: its step t holds ids t*B .. t*B+B-1.
         state = StepState(plan=steady_plan(step - 1, self.B, alive, self.args.spares))
         self.reduction.reset()
+        self.last_failure_view = (0.0, 0.0)
         me = self.ftc.replica
         mine = state.plan.assignments[me]
         self._compute(step, mine.ids, state)
@@ -207,30 +407,39 @@ class ForwardRecovery:
             self._gate()
             self._fill_bookkeeping(state, first_id)
             try:
-                with self.watchdog.phase("reduce", self.args.watchdog_timeout_s):
-                    self.reduction.reduce(
-                        self.ftc,
-                        self.ftc.epoch,
-                        before_bucket=lambda b: self.injector.maybe_fail("reduce", b),
-                    )
-                self.ftc.agree(True)
+                # No deadline: the only waits here are on other replicas (see module docstring).
+                self.phase = "reduce"
+                self.reduction.reduce(
+                    self.ftc,
+                    self.ftc.epoch,
+                    before_bucket=lambda b: self.injector.maybe_fail("reduce", b),
+                )
+                self.phase = "agree"
+                self.injector.maybe_fail("agree", 0)
+                _, stop = self.ftc.agree(True, stop=self._stop_bits())
                 break
             except WorldChanged as changed:
                 self._recover_step(step, state, changed)
             except TooFewReplicas as gone:
-                self._stop(step, f"no replica left alive ({gone})", save=False)
+                self._stop(step - 1, StopRun("too_few_replicas", f"no replica left alive ({gone})"))
         committed = time.perf_counter()
+        if stop:
+            self._log_incidents(state.incidents, committed)
+            self._stop(step - 1, self._agreed_stop(stop))
 
         counts = self.bookkeeping[: self.B]
         if not torch.all(counts == 1.0):
             bad = [first_id + i for i, c in enumerate(counts.tolist()) if c != 1.0]
             raise CoverageError(f"step {step}: ids {bad[:10]} were not summed exactly once")
         loss_sum = torch.tensor(
-            [self.bookkeeping[self.B :].sum().item()], dtype=torch.float64, device=self.t.world.device
+            [self.bookkeeping[self.B : 2 * self.B].sum().item()],
+            dtype=torch.float64,
+            device=self.t.world.device,
         )
         if self.t.world.size > 1:
-            dist.all_reduce(loss_sum)  # only the last stage's tp rank 0 holds losses
-        self._log_incidents(state, committed)
+            with self.local_phase("loss"):
+                dist.all_reduce(loss_sum)  # only the last stage's tp rank 0 holds losses
+        self._log_incidents(state.incidents, committed)
         extra: dict[str, Any] = {"world_epoch": self.ftc.epoch, "g_cur": state.plan.g, "g_ext": state.g_ext}
         return ReducedStep(
             loss=loss_sum.item() / self.B,
@@ -239,33 +448,72 @@ class ForwardRecovery:
             extra=extra,
         )
 
+    def _agreed_stop(self, bits: int) -> StopRun:
+        """The stop every survivor agreed on; the message is known only where it was requested."""
+        kind = next(k for k in STOP_ORDER if bits & STOP_BITS[k])
+        if self.pending_stop is not None and self.pending_stop.kind == kind:
+            return self.pending_stop
+        return StopRun(kind, f"stop requested by another replica ({kind})")
+
+    def _incident_kind(self, result: RecoveryResult, records: list[dict]) -> str:
+        kinds = {r["kind"] for r in records}
+        recorded = {r["rank"] for r in records}
+        unrecorded = set(result.failed_ranks) - recorded
+        if unrecorded & set(result.hung_ranks):
+            kinds.add("hang")
+        elif unrecorded:
+            kinds.add("crash")
+        return next((k for k in KIND_PRIORITY if k in kinds), "crash")
+
+    def _incident(
+        self, step: int, result: RecoveryResult, action: str, lost: list[int], extra: int
+    ) -> tuple[Incident, list[dict]]:
+        records = read_records(self.run_dir, list(result.failed_ranks), since=self.started)
+        causes = [r for r in records if r["kind"] != "peer_error"]
+        incident = Incident(
+            step=step,
+            phase=causes[0]["phase"] if causes else (records[0]["phase"] if records else result.trigger),
+            kind=self._incident_kind(result, records),
+            result=result,
+            action=action,
+            lost_ids=lost,
+            extra_microbatches=extra,
+            noticed=time.perf_counter(),
+            failed_at=min(r["time"] for r in causes) if causes else None,
+        )
+        return incident, records
+
     def _recover_step(self, step: int, state: StepState, changed: WorldChanged) -> None:
-        noticed = time.perf_counter()
         result = changed.result
+        surfaced = result.detected_at
+        self.last_failure_view = (surfaced - result.detect_s, surfaced)
         rep = repair(state.plan, result.failed_replicas)
         state.plan = rep.plan
         state.g_ext += rep.g_ext
-        deaths = read_deaths(self.run_dir, list(result.failed_ranks), since=self.started)
-        incident = Incident(
-            step=step,
-            phase=deaths[0]["phase"] if deaths else result.trigger,
-            result=result,
-            action=rep.action.value,
-            lost_ids=list(rep.lost_ids),
-            extra_microbatches=len(rep.redistributed_ids),
-            noticed=noticed,
-            detect_s=(result.detected_at - min(d["time"] for d in deaths)) if deaths else None,
+        incident, records = self._incident(
+            step, result, rep.action.value, list(rep.lost_ids), len(rep.redistributed_ids)
         )
         state.incidents.append(incident)
-        if len(self.ftc.alive_replicas) < self.args.min_replicas:
+        self._fence(result.failed_ranks)
+        stopping = [r for r in records if r["kind"] in RECORD_STOP_KINDS]
+        if stopping:
+            self._log_incidents(state.incidents, time.perf_counter())
             self._stop(
-                step,
-                f"{len(self.ftc.alive_replicas)} replicas left, below recover.min_replicas={self.args.min_replicas}",
+                step - 1, StopRun(stopping[0]["kind"], stopping[0].get("message", stopping[0]["kind"]))
             )
+        if len(self.ftc.alive_replicas) < self.args.min_replicas:
+            self._log_incidents(state.incidents, time.perf_counter())
+            why = (
+                f"{len(self.ftc.alive_replicas)} replicas left, below "
+                f"recover.min_replicas={self.args.min_replicas}"
+            )
+            self._stop(step - 1, StopRun("too_few_replicas", why), save=True)
         asynchronous = self.args.restore == "async" and self.t.world.device.type == "cuda"
-        self.restore_event = self.reduction.restore(self.ftc.epoch, asynchronous=asynchronous)
+        self.restore_handle = self.reduction.restore(self.ftc.epoch, asynchronous=asynchronous)
         me = self.ftc.replica
         if me in rep.promoted.values() and state.shadow is not None:
+            # The side stream may still be copying snapshots into this memory: wait first.
+            self._wait_restore()
             self.t.grads.flat.add_(state.shadow)  # promoted: the shadow gradients now count
             state.shadow = None
         extra_ids = rep.extra.get(me, ())
@@ -275,74 +523,187 @@ class ForwardRecovery:
         self.in_recovery = True
         self._compute(step, extra_ids, state)
         self.in_recovery = False
-        if self.restore_event is not None:
-            torch.cuda.current_stream().wait_event(self.restore_event)
-            self.restore_event = None
+        self._wait_restore()
         spent = time.perf_counter() - started
         for inc in state.incidents:
             inc.compute_s += spent
 
+    def _fence(self, failed_ranks: tuple[int, ...]) -> None:
+        """Mark removed ranks so that one that wakes up later writes nothing (see check_member)."""
+        if not self.is_logger():
+            return
+        for r in failed_ranks:
+            try:
+                (self.run_dir / "fence").mkdir(exist_ok=True)
+                (self.run_dir / "fence" / f"rank{r}").touch()
+            except OSError:
+                pass
+
     def before_optimizer(self) -> None:
         self.injector.maybe_fail("optimizer", 0)
 
+    def fault_point(self, phase: str) -> None:
+        self.injector.maybe_fail(phase, 0)
+
+    def after_step(self, step: int) -> None:
+        self.last_step = step
+
     # -- reporting and stopping ----------------------------------------------------------------
-    def _log_incidents(self, state: StepState, committed: float) -> None:
+    def _detect(self, inc: Incident) -> tuple[float | None, str]:
+        """(detect_s, method) of an incident, from the per-replica views reduced in the bookkeeping."""
+        alive = self.ftc.alive_replicas
+        began = [float(self.bookkeeping[2 * self.B + r]) for r in alive]
+        surfaced = [float(self.bookkeeping[2 * self.B + self.W + r]) for r in alive]
+        began = [b for b in began if b > 0] or [inc.result.detected_at - inc.result.detect_s]
+        surfaced = [s for s in surfaced if s > 0] or [inc.result.detected_at]
+        if inc.failed_at is not None:
+            return max(0.0, min(surfaced) - inc.failed_at), "record"
+        return max(0.0, min(surfaced) - min(began)), "first_wait"
+
+    def _log_incidents(self, incidents: list[Incident], committed: float) -> None:
+        """Write these incidents (the logging rank only) and forget them."""
+        incidents, taken = list(incidents), incidents
+        taken.clear()
         if not self.is_logger():
             return
-        for inc in state.incidents:
+        self.check_member()
+        for inc in incidents:
             r = inc.result
+            detect_s, method = self._detect(inc)
             record = {
                 "step": inc.step,
                 "phase": inc.phase,
+                "kind": inc.kind,
                 "failed_replicas": list(r.failed_replicas),
                 "failed_ranks": list(r.failed_ranks),
+                "hung_ranks": list(r.hung_ranks),
                 "epoch": r.new_epoch,
                 "action": inc.action,
                 "lost_ids": inc.lost_ids,
                 "extra_microbatches": inc.extra_microbatches,
-                "detect_s": inc.detect_s,
-                "recover_s": committed - inc.noticed - inc.compute_s,
+                "detect_s": detect_s,
+                "detect_method": method,
+                "recover_s": max(0.0, committed - inc.noticed - inc.compute_s),
+                "redo_s": inc.compute_s,
                 "shrink_s": r.shrink_s,
                 "rounds": r.rounds,
                 "alive_replicas": list(r.alive_replicas),
             }
-            self.incident_log.write(record)
+            try:
+                self.incident_log.write(record)
+            except OSError as e:
+                print(f"[nanotron-recover] incident not logged: {e}", file=sys.stderr, flush=True)
             self.t.run_logger.log_incident(record)
             self.t.progress.write(
-                f"[nanotron-recover] step {inc.step}: replicas {record['failed_replicas']} failed ({inc.phase}), "
-                f"{inc.action}, {inc.extra_microbatches} micro-batches redone, epoch {r.new_epoch}",
+                f"[nanotron-recover] step {inc.step}: replicas {record['failed_replicas']} failed "
+                f"({inc.kind} in {inc.phase}), {inc.action}, {inc.extra_microbatches} micro-batches redone, "
+                f"epoch {r.new_epoch}",
                 file=sys.stdout,
             )
 
-    def _stop(self, step: int, why: str, save: bool = True) -> None:
-        """Too few replicas: the first survivor checkpoints the last committed step; all exit != 0."""
+    def _write_outcome(self, status: str, last_step: int, stop: StopRun | None) -> bool:
+        return write_outcome(
+            self.run_dir,
+            status=status,
+            last_step=last_step,
+            target_step=self.t.target_step,
+            exit_code=stop.exit_code if stop is not None else ExitCode.OK,
+            kind=stop.kind if stop is not None else None,
+            message=stop.message if stop is not None else None,
+        )
+
+    def _stop(self, last_step: int, stop: StopRun, save: bool = False) -> None:
+        """Stop the whole job: every survivor calls this after the same agree or recovery.
+
+        With ``save`` (too few replicas) the checkpoint writer first saves the last committed step
+        synchronously, so the checkpoint the message names exists when the job has ended. The
+        message is known only where the cause was met; one allgather gives it to everyone, the
+        logging rank records the outcome and says it in one line, and all exit with its status."""
+        message = stop.message
+        knows_cause = self.pending_stop is not None and self.pending_stop.kind == stop.kind
+        knows_cause = knows_cause or stop.kind in RECORD_STOP_KINDS or "no replica left" in message
         if save and self.is_checkpoint_writer():
-            path = self.t.save(step - 1)
-            if self.ftc.local_rank == 0:
-                print(
-                    f"[nanotron-recover] stopping at step {step}: {why}. Saved step {step - 1} to {path}; "
-                    "resume it in plain or recover mode with checkpoints.resume_checkpoint_path.",
-                    file=sys.stderr,
-                    flush=True,
+            knows_cause = True
+            try:
+                path = self.t.save(last_step, synchronous=True)
+                message += (
+                    f". Saved step {last_step} to {path}; resume it in plain or recover mode with "
+                    "checkpoints.resume_checkpoint_path"
                 )
+            except Exception as e:
+                message += f". Could not save step {last_step}: {' '.join(str(e).split())}"
         try:
-            self.ftc.global_comm.Barrier()  # nobody exits before the checkpoint is on disk
+            known = self.ftc.global_comm.allgather(message if knows_cause else None)
+            message = next((m for m in known if m), message)
+        except Exception:
+            pass  # a failure now: keep what this rank knows
+        stop = StopRun(stop.kind, message)
+        if self.is_logger():
+            self._end_with(last_step, stop)
+        self.watchdog.stop()
+        self.ftc.stop_watch()
+        try:
+            self.ftc.barrier()  # nobody exits before the checkpoint and the outcome are on disk
         except Exception:
             pass
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_TOO_FEW_REPLICAS)
+        os._exit(int(stop.exit_code))
+
+    def _end_with(self, last_step: int, stop: StopRun) -> None:
+        """Record a stop and say it once: here, unless a supervising launcher will print the record."""
+        recorded = self._write_outcome("stopped", last_step, stop)
+        if not (recorded and os.environ.get(SUPERVISED_ENV) == "1"):
+            print(
+                f"nanotron-recover: stopped after step {last_step}: {stop.message}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def finish(self, last_step: int, resave: Any = None) -> None:
+        """End of training: one more agree, so that a stop requested after the last step (its save
+        failed) or a failure during the final save is seen by everyone; then the outcome.
+
+        ``resave(step)``, if given, saves ``last_step`` again on the new checkpoint writer when a
+        failure struck during this last agree (the replica that was saving may be the one lost)."""
+        self.last_step = last_step
+        self.step = last_step
+        while True:
+            try:
+                self.phase = "finish"
+                _, stop = self.ftc.agree(True, stop=self._stop_bits())
+                break
+            except WorldChanged as changed:
+                result = changed.result
+                self.last_failure_view = (result.detected_at - result.detect_s, result.detected_at)
+                incident, records = self._incident(last_step, result, "none", [], 0)
+                self._fence(result.failed_ranks)
+                self._log_incidents([incident], time.perf_counter())
+                stopping = [r for r in records if r["kind"] in RECORD_STOP_KINDS]
+                if stopping:
+                    self._stop(last_step, StopRun(stopping[0]["kind"], stopping[0].get("message", "")))
+                if resave is not None and self.is_checkpoint_writer():
+                    resave(last_step)
+            except TooFewReplicas as gone:
+                self._stop(last_step, StopRun("too_few_replicas", f"no replica left alive ({gone})"))
+        if stop:
+            self._stop(last_step, self._agreed_stop(stop))
+        if self.is_logger():
+            self.check_member()
+            self._write_outcome("completed", last_step, None)
 
     def close(self) -> None:
         """End of training: wait for every survivor, then leave without MPI_Finalize.
 
-        Finalize in a world that lost processes can block on connections to the dead; exit status 0
-        without finalize is reported cleanly to mpirun (DESIGN.md section 4). The barrier makes sure
-        nobody leaves while a peer still needs it (a checkpoint being written, a last reduction).
+        Finalize in a world that lost processes can block on connections to the dead, and with the
+        heartbeat detector on it blocked even without a failure (Open MPI 5.0.11); exit status 0
+        without finalize is reported cleanly to mpirun. The barrier makes sure nobody leaves while
+        a peer still needs it (a checkpoint being written, a last reduction).
         """
         self.watchdog.stop()
+        self.ftc.stop_watch()
         try:
-            self.ftc.global_comm.Barrier()
+            self.ftc.barrier()
         except Exception as e:
             print(f"[nanotron-recover] rank {self.ftc.rank}: final barrier failed: {e}", file=sys.stderr)
         sys.stdout.flush()

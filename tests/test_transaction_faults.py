@@ -1,0 +1,346 @@
+"""Every fault kind ends in a forward repair or in one clean stop: real ``launch`` jobs on CPU.
+
+Hangs are made the way they happen on a cluster: a rank stops (SIGSTOP) and never answers. Some
+freezes are injected at exact points of a step (compute, reduce, agree); others are sent by the test
+itself, from outside, at a moment the code does not choose. Kills land during checkpoint saves, a
+real tmpfs fills up, one micro-batch raises every time. Each faulty run is compared with the plain
+run of the same config (same micro-batch ids, loss within 1e-5 relative), and the launcher's exit
+status must tell the truth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mpirun_utils import REPO, Completed, check, layout, run_cli, single_rank_env
+
+from nanotron_recover.checkpoint import CheckpointReader
+from nanotron_recover.logging import read_incidents, read_metrics
+from nanotron_recover.outcome import read_outcome
+
+pytestmark = pytest.mark.mpi
+
+CONFIG = str(REPO / "configs" / "tiny_cpu.yaml")
+STEPS = 10
+# The heartbeat detector as short as 8 ranks on this 2-core machine allow: with a 2 s timeout, 1 in 5
+# start-ups of 8 ranks had a rank declared failed inside MPI_Init (where Open MPI 5.0.11 crashed).
+HEARTBEAT = ["recover.heartbeat_period_s=1", "recover.heartbeat_timeout_s=5"]
+W4 = layout(1, 1, 4, 2)  # 4 replicas, G=2: B=8
+W4_TP2 = layout(2, 1, 4, 2)  # 4 replicas of tp=2 (8 ranks)
+
+
+def sets_for(run_dir: Path, extra: list[str]) -> list[str]:
+    common = [
+        f"tokens.train_steps={STEPS}",
+        f"checkpoints.checkpoints_path={run_dir / 'checkpoints'}",
+        "checkpoints.save_final_state=false",
+        "recover.watchdog_timeout_s=60",
+        "recover.gate_timeout_s=30",
+    ]
+    return common + extra
+
+
+def cli_args(command: str, run_dir: Path, sets: list[str]) -> list[str]:
+    args = [command, "--config", CONFIG, "--run-dir", str(run_dir)]
+    for s in sets:
+        args += ["--set", s]
+    return args
+
+
+def recover(faults: list[dict] | None = None) -> list[str]:
+    return ["recover.enabled=true", *HEARTBEAT] + ([f"recover.faults={json.dumps(faults)}"] if faults else [])
+
+
+def launch(run_dir: Path, extra: list[str], timeout: float = 240) -> Completed:
+    return run_cli(cli_args("launch", run_dir, sets_for(run_dir, extra)), timeout=timeout)
+
+
+class Job:
+    """A ``launch`` running in the background, so the test can signal its ranks from outside."""
+
+    def __init__(self, run_dir: Path, extra: list[str]):
+        self.run_dir = run_dir
+        program = [
+            sys.executable,
+            "-m",
+            "nanotron_recover.cli",
+            *cli_args("launch", run_dir, sets_for(run_dir, extra)),
+        ]
+        self.proc = subprocess.Popen(
+            program,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=single_rank_env(),
+            cwd=REPO,
+            start_new_session=True,
+        )
+
+    def wait_until(self, condition, what: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"job ended before {what}:\n{self.proc.stdout.read()[-3000:]}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"timed out waiting for {what}")
+            time.sleep(0.002)
+
+    def committed(self) -> int:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return 0
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        try:
+            return json.loads(lines[-1])["step"] if lines else 0
+        except ValueError:
+            return 0  # a line being written
+
+    def pid(self, rank: int) -> int:
+        self.wait_until(lambda: (self.run_dir / "ranks.json").exists(), "the rank table")
+        table = json.loads((self.run_dir / "ranks.json").read_text())
+        return next(r["pid"] for r in table if r["rank"] == rank)
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def finish(self, timeout: float = 240.0) -> Completed:
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            out, _ = self.proc.communicate()
+            raise AssertionError(f"job timed out:\n{out[-4000:]}") from None
+        return Completed(self.proc.returncode, out, "")
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> list[dict]:
+    """The fault-free reference: one process, G=8 (B=8), synthetic data."""
+    run_dir = tmp_path_factory.mktemp("plain")
+    check(run_cli(cli_args("train", run_dir, sets_for(run_dir, layout(1, 1, 1, 8)))))
+    return read_metrics(run_dir)
+
+
+def assert_same_curve(run_dir: Path, reference: list[dict], steps: int = STEPS) -> list[dict]:
+    got = read_metrics(run_dir)
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    for g, w in zip(got, reference, strict=False):
+        assert g["ids_digest"] == w["ids_digest"], f"step {g['step']} consumed other micro-batches"
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5), (
+            f"step {g['step']}: {g['loss']} vs {w['loss']}"
+        )
+    return got
+
+
+def assert_replicas_identical(run_dir: Path, survivors: list[int]) -> None:
+    digests: dict[tuple[str, str], set[str]] = {}
+    seen = set()
+    for f in (run_dir / "parameters").glob("replica*_pp*_tp*.sha256"):
+        replica, pp, tp = f.stem.split("_")
+        seen.add(int(replica.removeprefix("replica")))
+        digests.setdefault((pp, tp), set()).add(f.read_text().strip())
+    assert seen == set(survivors)
+    assert all(len(v) == 1 for v in digests.values()), "surviving replicas differ"
+
+
+def assert_completed(result: Completed, run_dir: Path) -> None:
+    assert result.returncode == 0, result.output[-4000:]
+    outcome = read_outcome(run_dir)
+    assert outcome is not None and outcome["status"] == "completed" and outcome["last_step"] == STEPS
+
+
+# -- hangs ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("phase", "microbatch"), [("forward", 1), ("reduce", 1), ("agree", 0)], ids=["compute", "reduce", "agree"]
+)
+def test_injected_freeze_is_a_hang_repaired_forward(tmp_path, plain, phase, microbatch):
+    """A replica freezes (SIGSTOP) at an exact point: the heartbeat detector declares it failed, the
+    other three go on, nobody healthy kills itself, and the frozen process is removed for good."""
+    freeze = {"step": 4, "replica": 2, "phase": phase, "microbatch": microbatch, "kind": "freeze"}
+    result = launch(tmp_path, W4 + recover([freeze]))
+    assert_completed(result, tmp_path)
+    assert_same_curve(tmp_path, plain)
+    assert_replicas_identical(tmp_path, [0, 1, 3])
+    (incident,) = read_incidents(tmp_path)
+    assert incident["kind"] == "hang" and incident["failed_replicas"] == [2]
+    assert incident["hung_ranks"] == [2]
+    assert incident["detect_method"] == "record" and 0 < incident["detect_s"] < 30
+    frozen = json.loads((tmp_path / "ranks.json").read_text())[2]["pid"]
+    assert not process_exists(frozen)
+    assert "hung: open for" not in result.output, "no healthy rank may fire its watchdog for another's hang"
+
+
+def test_rank_frozen_from_outside(tmp_path, plain):
+    """The test freezes rank 2 at a moment of its choosing, mid-run."""
+    job = Job(tmp_path, W4 + recover())
+    pid = job.pid(2)
+    job.wait_until(lambda: job.committed() >= 3, "step 3")
+    os.kill(pid, signal.SIGSTOP)
+    result = job.finish()
+    assert_completed(result, tmp_path)
+    assert_same_curve(tmp_path, plain)
+    assert_replicas_identical(tmp_path, [0, 1, 3])
+    (incident,) = read_incidents(tmp_path)
+    assert incident["kind"] == "hang" and incident["hung_ranks"] == [2]
+    assert incident["detect_s"] is not None and incident["detect_method"] == "first_wait"
+    assert not process_exists(pid)
+
+
+def test_one_rank_of_a_tp2_replica_frozen_from_outside(tmp_path, plain):
+    """Freeze rank 5 (replica 2, tp 1): its tp peer learns it from the failure watch and leaves; the
+    three other replicas (six ranks) go on."""
+    job = Job(tmp_path, W4_TP2 + recover())
+    pid = job.pid(5)
+    job.wait_until(lambda: job.committed() >= 3, "step 3")
+    os.kill(pid, signal.SIGSTOP)
+    result = job.finish()
+    assert_completed(result, tmp_path)
+    assert_same_curve(tmp_path, plain)
+    assert_replicas_identical(tmp_path, [0, 1, 3])
+    (incident,) = read_incidents(tmp_path)
+    assert incident["kind"] == "hang" and incident["failed_replicas"] == [2]
+    assert not process_exists(pid)
+
+
+# -- faults during checkpoint saves ---------------------------------------------------------------
+def assert_latest_checkpoint_sound(run_dir: Path, step: int) -> None:
+    ckpts = run_dir / "checkpoints"
+    reader = CheckpointReader(ckpts)
+    reader.verify()
+    assert reader.step == step
+    assert not list(ckpts.glob("*.tmp")), "a torn save was left behind"
+
+
+def test_writer_rank_killed_during_a_save(tmp_path, plain):
+    """Rank 1 (replica 0, the checkpoint writer, tp 1) dies while saving step 4: that save is
+    abandoned, training goes on, and replica 1 writes the next checkpoints."""
+    fault = {"step": 4, "rank": 1, "phase": "save"}
+    result = launch(tmp_path, W4_TP2 + recover([fault]) + ["checkpoints.checkpoint_interval=2"])
+    assert_completed(result, tmp_path)
+    assert_same_curve(tmp_path, plain)
+    assert_replicas_identical(tmp_path, [1, 2, 3])
+    assert_latest_checkpoint_sound(tmp_path, STEPS)
+    (incident,) = read_incidents(tmp_path)
+    assert incident["failed_replicas"] == [0] and incident["phase"] == "save"
+
+
+def test_writer_rank_killed_from_outside_while_saving(tmp_path, plain):
+    """The test kills rank 1 the moment a save's folder appears; whatever the save was doing, the
+    run completes and the latest checkpoint is complete and loadable."""
+    job = Job(tmp_path, W4_TP2 + recover() + ["checkpoints.checkpoint_interval=1"])
+    pid = job.pid(1)
+    ckpts = tmp_path / "checkpoints"
+    job.wait_until(lambda: job.committed() >= 2 and any(ckpts.glob("step_*.tmp")), "a save in progress")
+    os.kill(pid, signal.SIGKILL)
+    result = job.finish()
+    assert_completed(result, tmp_path)
+    assert_same_curve(tmp_path, plain)
+    assert_replicas_identical(tmp_path, [1, 2, 3])
+    assert_latest_checkpoint_sound(tmp_path, STEPS)
+
+
+# -- a full disk ------------------------------------------------------------------------------------
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2.5 MB tmpfs: one checkpoint of the tiny model (about 1.8 MB) fits, a second does not."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("mode", ["recover", "plain"])
+def test_full_disk_stops_once_and_keeps_the_previous_checkpoint(tmp_path, plain, small_disk, mode):
+    run_dir = tmp_path / "run"
+    extra = (W4 + recover()) if mode == "recover" else layout(1, 1, 2, 4)
+    extra += [f"checkpoints.checkpoints_path={small_disk}", "checkpoints.checkpoint_interval=2"]
+    result = launch(run_dir, extra)
+    assert result.returncode == 5, result.output[-4000:]
+    assert result.output.count("No space left on device") == 1, result.output[-4000:]
+    assert "Traceback" not in result.output
+    outcome = read_outcome(run_dir)
+    assert outcome["status"] == "stopped" and outcome["kind"] == "io"
+    reader = CheckpointReader(small_disk)
+    reader.verify()
+    assert reader.step == 2
+    assert not list(small_disk.glob("*.tmp"))
+    # The intact checkpoint resumes and the curve continues as if nothing had happened.
+    resumed = tmp_path / "resumed"
+    more = [
+        f"checkpoints.resume_checkpoint_path={small_disk}",
+        f"checkpoints.checkpoints_path={resumed / 'ck'}",
+    ]
+    check(run_cli(cli_args("train", resumed, sets_for(resumed, layout(1, 1, 1, 8)) + more)))
+    for g, w in zip(read_metrics(resumed), plain[2:], strict=True):
+        assert g["step"] == w["step"] and g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+
+
+# -- exceptions in compute -----------------------------------------------------------------------------
+def test_deterministic_error_stops_once_naming_the_microbatch(tmp_path, plain):
+    """Micro-batch 17 (step 3) raises in every replica that computes it: the first replica is lost
+    (it could have been a flaky GPU), the second one proves it deterministic, the job stops."""
+    fault = {"step": 3, "kind": "error", "id": 17, "persistent": True}
+    result = launch(tmp_path, W4 + recover([fault]))
+    assert result.returncode == 4, result.output[-4000:]
+    stops = [ln for ln in result.output.splitlines() if "deterministic error" in ln]
+    assert len(stops) == 1 and "micro-batch [17]" in stops[0], stops
+    outcome = read_outcome(tmp_path)
+    assert outcome["kind"] == "deterministic" and outcome["last_step"] == 2
+    lost = {r for i in read_incidents(tmp_path) for r in i["failed_replicas"]}
+    assert len(lost) <= 2, "not a cascade: at most the two replicas that met the error"
+    assert_same_curve(tmp_path, plain, steps=2)
+
+
+def test_transient_error_is_repaired_forward(tmp_path, plain):
+    fault = {"step": 3, "kind": "error", "id": 17}
+    result = launch(tmp_path, W4 + recover([fault]))
+    assert_completed(result, tmp_path)
+    assert_same_curve(tmp_path, plain)
+    (incident,) = read_incidents(tmp_path)
+    assert incident["kind"] == "error" and incident["step"] == 3
+
+
+# -- bad input found after start-up ------------------------------------------------------------------
+def test_damaged_inputs_are_one_line_printed_once(tmp_path, local_dataset):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for f in local_dataset.corpus_dir.iterdir():
+        (corpus / f.name).write_bytes(f.read_bytes())
+    tokens = corpus / "tokens.bin"
+    with tokens.open("r+b") as f:
+        f.truncate(tokens.stat().st_size // 2 + 1)
+    data = [f"data_stages.0.data.dataset={{dataset_folder: {corpus}}}"]
+    result = launch(tmp_path / "a", W4 + recover() + data)
+    assert result.returncode == 2, result.output[-3000:]
+    lines = [ln for ln in result.output.splitlines() if "tokens.bin" in ln]
+    assert len(lines) == 1, result.output[-3000:]
+    assert "Traceback" not in result.output
+
+    bad_ckpt = tmp_path / "ckpt" / "step_1"
+    bad_ckpt.mkdir(parents=True)
+    (bad_ckpt / "meta.json").write_text("{ not json")
+    result = launch(tmp_path / "b", W4 + recover() + [f"checkpoints.resume_checkpoint_path={bad_ckpt}"])
+    assert result.returncode == 2, result.output[-3000:]
+    assert len([ln for ln in result.output.splitlines() if "meta.json" in ln]) == 1, result.output[-3000:]
+    assert "Traceback" not in result.output
