@@ -270,13 +270,13 @@ def test_failures_in_consecutive_steps(tmp_path: Path) -> None:
 
 
 def test_no_replica_left(tmp_path: Path) -> None:
-    # 2 replicas x tp=2; one rank of each replica dies: the other two get TooFewReplicas.
+    # 2 replicas x tp=2; one rank of each replica dies: the other two get AllReplicasFailed.
     res = run_worker(tmp_path, 4, "--tp", "2", "--replicas", "2", "--kill", "0:1", "--kill", "3:1")
     assert not survivors(res)
     for r in (1, 2):
-        assert res[r].get("too_few") is True
-        assert res[r]["too_few_result"]["alive_replicas"] == []
-        assert res[r]["too_few_result"]["failed_replicas"] == [0, 1]
+        assert res[r].get("all_failed") is True
+        assert res[r]["all_failed_result"]["alive_replicas"] == []
+        assert res[r]["all_failed_result"]["failed_replicas"] == [0, 1]
 
 
 def _process_exists(pid: int) -> bool:

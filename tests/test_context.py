@@ -1,9 +1,10 @@
 """ParallelContext: every rank's coordinates and process groups for each (tp, pp, dp) layout.
 
-The context is the one place that turns a rank number into tensor/pipeline/data-parallel
-coordinates; the fault-tolerant layer computes the same coordinates independently, without
-communication, in ``ft/topology.py`` (tp fastest, a replica is a contiguous block of ranks). If the
-two disagreed, a rank would reduce its gradient shard with the wrong DP peers. So the expectations
+The context turns a rank number into tensor/pipeline/data-parallel coordinates and process groups;
+the fault-tolerant layer derives its replicas and DP groups, without communication, in
+``ft/topology.py``. Both are built on the one rank layout of ``parallel/layout.py`` (tp fastest, a
+replica is a contiguous block of ranks). If the groups the context builds disagreed with
+``Topology``, a rank would reduce its gradient shard with the wrong DP peers. So the expectations
 here come from ``Topology``, never from ``context.py`` itself.
 
 Real gloo worlds of 1, 2 and 4 ranks build every layout whose size fits: (tp, pp) in (1,1), (2,1),

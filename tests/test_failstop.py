@@ -1,4 +1,7 @@
-"""fail_stop and the Watchdog: hangs and fatal conditions must end in SIGKILL (docs/architecture.md, "Leaving")."""
+"""fail_stop and the Watchdog: hangs and fatal conditions must end in SIGKILL.
+
+docs/architecture.md, "How each kind of fault ends", paragraph "Leaving".
+"""
 
 from __future__ import annotations
 

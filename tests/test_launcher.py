@@ -251,7 +251,7 @@ def test_launch_where_every_replica_dies_exits_non_zero(tmp_path: Path):
 
 # -- heartbeat flags ------------------------------------------------------------------------------
 DETECTOR = (
-    "--mca mpi_ft_detector true --mca mpi_ft_detector_thread true "
+    "--mca mpi_ft_detector true --mca mpi_ft_detector_thread false "
     "--mca mpi_ft_detector_period 0.5 --mca mpi_ft_detector_timeout 3"
 )
 

@@ -15,10 +15,7 @@ from nanotron_recover.policy import (
     NoReplicasLeft,
     Role,
     StepPlan,
-    TooFewReplicas,
     check_coverage,
-    check_min_replicas,
-    next_plan,
     steady_plan,
 )
 
@@ -186,24 +183,6 @@ def test_check_coverage_truncates_long_lists() -> None:
     empty = replace(plan, assignments={r: replace(a, contributes=False) for r, a in plan.assignments.items()})
     with pytest.raises(CoverageError, match=r"\(100 in all\)"):
         check_coverage(empty)
-
-
-def test_check_min_replicas() -> None:
-    check_min_replicas([0, 1], 2)
-    with pytest.raises(TooFewReplicas, match="requires 3"):
-        check_min_replicas([0, 1], 3)
-    with pytest.raises(NoReplicasLeft):
-        check_min_replicas([], 0)
-
-
-def test_next_plan_drops_replicas_lost_after_commit() -> None:
-    plan = steady_plan(3, 8, range(4))
-    after = next_plan(plan, failed=[2])
-    assert after.step == 4 and after.alive == (0, 1, 3) and after.g == 3
-    assert after == steady_plan(4, 8, [0, 1, 3])
-    assert next_plan(steady_plan(0, 8, range(2), spares="off")).spares == "off"
-    with pytest.raises(NoReplicasLeft):
-        next_plan(steady_plan(0, 8, [0]), failed=[0])
 
 
 def test_plans_are_frozen_and_hashable() -> None:

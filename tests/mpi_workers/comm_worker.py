@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 
 from nanotron_recover.ft import (
+    AllReplicasFailed,
     FaultTolerantComm,
     StaleEpoch,
-    TooFewReplicas,
     Topology,
     Watchdog,
     WorldChanged,
@@ -184,8 +184,8 @@ def main() -> None:
         record["agree_and"], _ = comm.agree(comm.dp_rank != 0)
         # Stop requests are an OR: each replica sets its own bit, everyone gets them all.
         record["stop_or"] = comm.agree(True, stop=1 << (comm.replica % 8))[1]
-    except TooFewReplicas as exc:
-        record.update(too_few=True, too_few_result=exc.result.as_dict())
+    except AllReplicasFailed as exc:
+        record.update(all_failed=True, all_failed_result=exc.result.as_dict())
         _write(args.out, rank, record)
         watchdog.stop()
         return

@@ -1,8 +1,8 @@
 """Fault tolerance: the ULFM communicator, world epochs, topology and fail-stop (docs/architecture.md).
 
 The communicator names are re-exported lazily: importing ``mpi4py.MPI`` initializes
-MPI, which a process that only needs the topology or the watchdog (a unit test,
-the policy code, a CLI tool) must not pay for or be affected by.
+MPI, which a process that only needs the topology, the watchdog or the errors and results
+of ``world`` (a unit test, the policy code, a CLI tool) must not pay for or be affected by.
 """
 
 from __future__ import annotations
@@ -12,31 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from .failstop import Watchdog, fail_stop
 from .topology import RankCoords, Topology
+from .world import AllReplicasFailed, FTError, RecoveryResult, StaleEpoch, WorldChanged
 
 if TYPE_CHECKING:
-    from .comm import (
-        FAULT_ERROR_CLASSES,
-        FaultTolerantComm,
-        FTError,
-        RecoveryResult,
-        StaleEpoch,
-        TooFewReplicas,
-        WorldChanged,
-        is_fault,
-    )
+    from .comm import FAULT_ERROR_CLASSES, FaultTolerantComm, is_fault
 
-_COMM_NAMES = frozenset(
-    {
-        "FAULT_ERROR_CLASSES",
-        "FTError",
-        "FaultTolerantComm",
-        "RecoveryResult",
-        "StaleEpoch",
-        "TooFewReplicas",
-        "WorldChanged",
-        "is_fault",
-    }
-)
+_COMM_NAMES = frozenset({"FAULT_ERROR_CLASSES", "FaultTolerantComm", "is_fault"})
 
 
 def __getattr__(name: str) -> Any:
@@ -47,12 +28,12 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "FAULT_ERROR_CLASSES",
+    "AllReplicasFailed",
     "FTError",
     "FaultTolerantComm",
     "RankCoords",
     "RecoveryResult",
     "StaleEpoch",
-    "TooFewReplicas",
     "Topology",
     "Watchdog",
     "WorldChanged",

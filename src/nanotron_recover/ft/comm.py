@@ -75,13 +75,14 @@ reports that some rank is recovering, or when the caller asks for it.
       against the *pre-recovery* world, so they only grow.
 
 4. After the commit, leavers call the ``on_leave`` hook and :func:`fail_stop`
-   (SIGKILL; a non-zero exit would not be reported, see docs/architecture.md).
+   (SIGKILL; a non-zero exit would not be reported, see docs/architecture.md, "How each kind of
+   fault ends").
    Survivors free the old communicators, install the new ones and bump
    ``epoch`` by one. A failed rank whose process still runs on a survivor's
    host (frozen: the heartbeat detector declared it) is SIGKILLed there
    (:mod:`.processes`), so it never wakes up into a world that moved on. Every survivor took part in the same committed round, so
    they all hold the same epoch and alive set. If no replica is left, every rank
-   raises :class:`TooFewReplicas` instead.
+   raises :class:`~.world.AllReplicasFailed` instead.
 
 Failures during shrink, split or the commit agree just cost another round;
 failures after the commit are the next step's business (they are detected by
@@ -110,7 +111,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -118,6 +118,7 @@ import numpy as np
 from .failstop import fail_stop
 from .processes import ProcessInfo, reap, this_process
 from .topology import RankCoords, Topology
+from .world import AllReplicasFailed, FTError, RecoveryResult, StaleEpoch, WorldChanged
 
 # Skip the PMIx fence in MPI_Finalize. Seen here with Open MPI 5.0.11 + ULFM: after a
 # rank was SIGKILLed, the survivors' MPI_Finalize waited on the dead rank in that fence
@@ -152,67 +153,6 @@ _STOP_BITS = 0xFF
 
 # A shrink that keeps raising is not a failure we can recover from by retrying.
 _MAX_SHRINK_ATTEMPTS = 64
-
-
-class FTError(RuntimeError):
-    """Base class of the fault-tolerance errors raised to the caller."""
-
-
-class StaleEpoch(FTError):
-    """A reduction was requested for an epoch that is not the current world's."""
-
-    def __init__(self, given: int, current: int) -> None:
-        super().__init__(f"reduction tagged with epoch {given}, but the world is at epoch {current}")
-        self.given = given
-        self.current = current
-
-
-@dataclass(frozen=True)
-class RecoveryResult:
-    """What one committed recovery changed, and how long it took."""
-
-    old_epoch: int
-    new_epoch: int
-    failed_replicas: tuple[int, ...]
-    failed_ranks: tuple[int, ...]  # initial (launch communicator) ranks
-    alive_replicas: tuple[int, ...]
-    trigger: str  # "allreduce", "agree" or "manual"
-    detect_s: float  # how long the failing operation ran before it raised (0.0 for "manual")
-    detected_at: float  # wall clock (time.time()) when the failure surfaced here
-    revoke_s: float  # revoking the owned communicators + the entry agree
-    shrink_s: float  # all Shrink calls, summed over rounds
-    recover_s: float  # entering recovery -> commit
-    rounds: int  # shrink/split/commit rounds (1 unless something failed during recovery)
-    left: bool = False  # True on a rank that leaves (only ever seen by on_leave)
-    # Failed ranks whose process still ran on this host at the commit (frozen: now SIGKILLed), and
-    # failed ranks on other hosts, which this rank cannot see.
-    hung_ranks: tuple[int, ...] = ()
-    unseen_ranks: tuple[int, ...] = ()
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
-
-
-class WorldChanged(FTError):
-    """The world moved to a new epoch; work tagged with an older epoch must be redone."""
-
-    def __init__(self, result: RecoveryResult) -> None:
-        super().__init__(
-            f"world changed: epoch {result.old_epoch} -> {result.new_epoch}, "
-            f"failed replicas {list(result.failed_replicas)}"
-        )
-        self.result = result
-        self.old_epoch = result.old_epoch
-        self.new_epoch = result.new_epoch
-        self.failed_replicas = result.failed_replicas
-
-
-class TooFewReplicas(FTError):
-    """Recovery committed but no replica is left alive."""
-
-    def __init__(self, result: RecoveryResult) -> None:
-        super().__init__(f"no replica left alive (failed replicas {list(result.failed_replicas)})")
-        self.result = result
 
 
 def is_fault(exc: BaseException) -> bool:
@@ -445,7 +385,7 @@ class FaultTolerantComm:
 
         Collective in effect: every other rank is pulled in through its next
         DP reduction or step agree. Returns on survivors; SIGKILLs leavers;
-        raises :class:`TooFewReplicas` if no replica is left.
+        raises :class:`AllReplicasFailed` if no replica is left.
         """
         self._check_open()
         self.in_ft_operation = True
@@ -619,7 +559,7 @@ class FaultTolerantComm:
         if not alive_replicas:
             self._closed = True
             self.stop_watch()
-            raise TooFewReplicas(result)
+            raise AllReplicasFailed(result)
         if leaving:
             self._closed = True
             self.stop_watch()
@@ -643,13 +583,15 @@ class FaultTolerantComm:
         return result
 
 
+# The name this error had before it moved to .world; kept until every importer uses the new one.
+
 __all__ = [
     "FAULT_ERROR_CLASSES",
+    "AllReplicasFailed",
     "FTError",
     "FaultTolerantComm",
     "RecoveryResult",
     "StaleEpoch",
-    "TooFewReplicas",
     "WorldChanged",
     "is_fault",
 ]

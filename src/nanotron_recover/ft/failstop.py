@@ -7,10 +7,10 @@ failure*. Two things here make sure of that:
    Why not ``sys.exit(1)``: with Open MPI 5.0.11 + ULFM a rank that exits with a
    non-zero status is not reported to the survivors, which then block forever
    in their next collective; a SIGKILLed rank is reported within tens of ms
-   (docs/architecture.md, "Leaving"). SIGKILL also skips ``atexit`` handlers, ``MPI_Finalize``
-   and torch's destructors, none of which can be trusted in a broken world.
-   Before dying it prints the reason and flushes stdio so the incident is in
-   the logs.
+   (docs/architecture.md, "How each kind of fault ends", paragraph "Leaving"). SIGKILL also
+   skips ``atexit`` handlers, ``MPI_Finalize`` and torch's destructors, none of which can be
+   trusted in a broken world. Before dying it prints the reason and flushes stdio so the
+   incident is in the logs.
 2. :class:`Watchdog` turns a *local* hang into that same fail-stop. The training
    loop wraps each phase that only this replica takes part in (compute, gate,
    optimizer, its own reductions, checkpoint save) in

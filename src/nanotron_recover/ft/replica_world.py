@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from ..parallel.world import World, create_store, pick_device
-from .comm import FaultTolerantComm
+
+if TYPE_CHECKING:
+    from .comm import FaultTolerantComm
 
 
 def init_replica_world(ftc: FaultTolerantComm, timeout_s: float = 300.0) -> World:

@@ -1,16 +1,10 @@
-"""Pure mapping between MPI ranks and (replica, pp, tp) coordinates.
+"""The fault-tolerant layer's view of the rank layout: replicas, local ranks and DP groups.
 
-The job is launched as ``W_init * PP * TP`` MPI ranks (docs/architecture.md, "Topology").
-The mapping is fixed for the lifetime of the job and never depends on which
-ranks are still alive, so any rank can compute any other rank's coordinates
-(and the failed replicas from a set of failed ranks) without communication:
-
-1. ``replica = rank // (TP * PP)`` -- a replica is a contiguous block of ranks,
-   which keeps one replica's torch.distributed world on as few nodes as possible.
-2. ``local_rank = rank % (TP * PP)`` -- the rank inside the replica's torch world.
-3. ``pp = local_rank // TP`` and ``tp = local_rank % TP`` -- TP is the fastest
-   moving coordinate, so TP peers (the most communication-heavy group) are
-   neighbours.
+The job is launched as ``W_init * PP * TP`` MPI ranks (docs/architecture.md, "Topology"), laid out
+as in :mod:`nanotron_recover.parallel.layout` (the single definition): replica ``r // (TP * PP)``,
+local rank ``r % (TP * PP)``, then ``(pp, tp)`` with TP fastest. The mapping is fixed for the
+lifetime of the job and never depends on which ranks are still alive, so any rank can compute any
+other rank's coordinates (and the failed replicas from a set of failed ranks) without communication.
 
 The DP group of coordinate ``(pp, tp)`` is the set of ranks with that local rank
 across the alive replicas; its members are ordered by replica id.
@@ -20,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from ..parallel.layout import grid_coordinates, grid_rank
 
 
 @dataclass(frozen=True)
@@ -62,43 +58,32 @@ class Topology:
             raise ValueError(f"rank {rank} outside [0, {self.world_size})")
 
     def replica_of(self, rank: int) -> int:
-        self._check_rank(rank)
-        return rank // self.replica_size
+        return self.coords(rank).replica
 
     def local_rank_of(self, rank: int) -> int:
-        self._check_rank(rank)
-        return rank % self.replica_size
+        return self.coords(rank).local_rank
 
     def coords(self, rank: int) -> RankCoords:
         """The (replica, local rank, pp, tp) of an initial MPI rank."""
         self._check_rank(rank)
-        local = rank % self.replica_size
-        return RankCoords(
-            rank=rank,
-            replica=rank // self.replica_size,
-            local_rank=local,
-            pp=local // self.tp,
-            tp=local % self.tp,
-        )
+        replica, pp, tp = grid_coordinates(rank, self.tp, self.pp)
+        return RankCoords(rank=rank, replica=replica, local_rank=self.local_rank(pp, tp), pp=pp, tp=tp)
 
     def local_rank(self, pp: int, tp: int) -> int:
         """Local rank of coordinate ``(pp, tp)`` inside any replica."""
-        if not (0 <= pp < self.pp and 0 <= tp < self.tp):
-            raise ValueError(f"(pp={pp}, tp={tp}) outside grid pp={self.pp} tp={self.tp}")
-        return pp * self.tp + tp
+        return self.rank_of(0, pp, tp)
 
     def rank_of(self, replica: int, pp: int, tp: int) -> int:
         """Initial MPI rank of ``(replica, pp, tp)``."""
         if not 0 <= replica < self.n_replicas:
             raise ValueError(f"replica {replica} outside [0, {self.n_replicas})")
-        return replica * self.replica_size + self.local_rank(pp, tp)
+        if not (0 <= pp < self.pp and 0 <= tp < self.tp):
+            raise ValueError(f"(pp={pp}, tp={tp}) outside grid pp={self.pp} tp={self.tp}")
+        return grid_rank(replica, pp, tp, self.tp, self.pp)
 
     def ranks_of_replica(self, replica: int) -> list[int]:
         """All initial MPI ranks of one replica, in local-rank order."""
-        if not 0 <= replica < self.n_replicas:
-            raise ValueError(f"replica {replica} outside [0, {self.n_replicas})")
-        start = replica * self.replica_size
-        return list(range(start, start + self.replica_size))
+        return [self.rank_of(replica, p, t) for p in range(self.pp) for t in range(self.tp)]
 
     def dp_group_ranks(self, pp: int, tp: int, replicas: Iterable[int] | None = None) -> list[int]:
         """Initial ranks of the DP group of ``(pp, tp)`` over ``replicas`` (default: all), by replica id."""

@@ -1,9 +1,9 @@
 """ParallelContext: this rank's coordinates in the 3D (dp, pp, tp) grid and its process groups.
 
-Rank ``r`` of the world is replica ``r // (tp*pp)``; inside the replica, ``tp`` varies fastest, so a
-tensor-parallel group is ``tp`` consecutive ranks (kept inside one node by the launcher) and a
-pipeline group strides by ``tp``. The same mapping is used by the fault-tolerant mode, where each
-replica is its own torch world (dp=1 here) and data parallelism goes over MPI instead.
+The rank layout is ``parallel/layout.py``'s (tp fastest, a replica is a contiguous block of ranks),
+so a tensor-parallel group is ``tp`` consecutive ranks (kept inside one node by the launcher) and a
+pipeline group strides by ``tp``. The fault-tolerant mode uses the same layout (``ft/topology.py``),
+where each replica is its own torch world (dp=1 here) and data parallelism goes over MPI instead.
 """
 
 from __future__ import annotations
@@ -13,14 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-
-def grid_coordinates(rank: int, tp: int, pp: int) -> tuple[int, int, int]:
-    """(dp, pp, tp) coordinates of ``rank``."""
-    return rank // (tp * pp), (rank % (tp * pp)) // tp, rank % tp
-
-
-def grid_rank(dp_rank: int, pp_rank: int, tp_rank: int, tp: int, pp: int) -> int:
-    return dp_rank * tp * pp + pp_rank * tp + tp_rank
+from .layout import grid_coordinates, grid_rank
 
 
 @dataclass

@@ -1,12 +1,12 @@
 """Workload policy: which replica computes and contributes which micro-batch ids, pure functions only.
 
 ``steady_plan`` gives the start-of-step plan, ``repair`` the plan after replicas
-fail mid-step, ``next_plan`` the next step's steady plan and ``check_coverage``
+fail mid-step (the next step is again a ``steady_plan`` of the survivors) and ``check_coverage``
 verifies that a plan sums the step's ids exactly once. See ``plan`` and
 ``repair`` for the protocol.
 """
 
-from .errors import CoverageError, NoReplicasLeft, PolicyError, TooFewReplicas
+from .errors import CoverageError, NoReplicasLeft, PolicyError
 from .plan import (
     SPARES_MODES,
     Assignment,
@@ -14,8 +14,6 @@ from .plan import (
     SparesMode,
     StepPlan,
     check_coverage,
-    check_min_replicas,
-    next_plan,
     steady_plan,
 )
 from .repair import Action, Repair, repair
@@ -31,10 +29,7 @@ __all__ = [
     "Role",
     "SparesMode",
     "StepPlan",
-    "TooFewReplicas",
     "check_coverage",
-    "check_min_replicas",
-    "next_plan",
     "repair",
     "steady_plan",
 ]

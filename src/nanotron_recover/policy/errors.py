@@ -16,9 +16,5 @@ class CoverageError(PolicyError):
     """The ids a plan would sum at commit are not exactly the step's id range, once each."""
 
 
-class TooFewReplicas(PolicyError):
-    """Fewer replicas are alive than the run requires (see ``check_min_replicas``)."""
-
-
-class NoReplicasLeft(TooFewReplicas):
+class NoReplicasLeft(PolicyError):
     """No replica is alive: nobody is left to compute the step, so training cannot go on."""

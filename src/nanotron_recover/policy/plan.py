@@ -24,7 +24,7 @@ Gradients are accumulated locally and reduced only at the end of the step (a
 torn reduction is redone from snapshots), so a replica that fails at any time
 before the commit loses *all* of its contribution for the step, and one that
 fails after the commit (during the optimizer step) loses nothing: the next
-step's plan, from :func:`next_plan`, simply leaves it out.
+step's plan (:func:`steady_plan` for the replicas still alive) simply leaves it out.
 
 What each replica computes and whether it is summed is part of the plan, so
 coverage is checkable: at commit the ids summed by the alive replicas must be
@@ -39,13 +39,13 @@ spares mode) gives an equal plan on every rank, with no communication.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
 from typing import Literal
 
-from .errors import CoverageError, NoReplicasLeft, TooFewReplicas
+from .errors import CoverageError, NoReplicasLeft
 
 SparesMode = Literal["shadow", "off"]
 SPARES_MODES: tuple[str, ...] = ("shadow", "off")
@@ -223,12 +223,6 @@ def steady_plan(step: int, B: int, alive: Iterable[int], spares: SparesMode = "s
     return StepPlan(step=step, B=B, alive=tuple(replicas), g=G, spares=spares, assignments=assignments)
 
 
-def next_plan(plan: StepPlan, failed: Iterable[int] = ()) -> StepPlan:
-    """The steady plan of the step after ``plan``, leaving out ``failed`` (e.g. replicas lost after the commit)."""
-    gone = set(failed)
-    return steady_plan(plan.step + 1, plan.B, [r for r in plan.alive if r not in gone], plan.spares)
-
-
 def check_coverage(plan: StepPlan) -> None:
     """Raise ``CoverageError`` unless the ids summed at commit are exactly the step's range, once each."""
     counts = Counter(plan.contributed_ids())
@@ -247,16 +241,6 @@ def check_coverage(plan: StepPlan) -> None:
         raise CoverageError(
             f"step {plan.step} must sum ids {expected.start}..{expected.stop - 1} once each: "
             + "; ".join(problems)
-        )
-
-
-def check_min_replicas(alive: Collection[int], min_replicas: int = 1) -> None:
-    """Raise ``NoReplicasLeft`` if ``alive`` is empty, ``TooFewReplicas`` if it has fewer than ``min_replicas``."""
-    if not alive:
-        raise NoReplicasLeft("no replica is alive")
-    if len(alive) < min_replicas:
-        raise TooFewReplicas(
-            f"{len(alive)} replica(s) alive {sorted(alive)}, the run requires {min_replicas}"
         )
 
 

@@ -38,7 +38,7 @@ Coverage. Each lost id goes either to exactly one promoted Spare or to exactly
 one survivor's extra ids, so if the plan summed ``range(t*B, t*B+B)`` once each
 before the repair, it still does after it; the divisor stays ``B``. If no replica
 survives, :class:`NoReplicasLeft` is raised. The next step starts again from
-``next_plan`` (the steady state for the survivors).
+``steady_plan`` (the steady state for the survivors).
 """
 
 from __future__ import annotations

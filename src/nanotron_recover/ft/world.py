@@ -1,0 +1,80 @@
+"""The MPI-free half of the fault-tolerant layer: what :class:`~.comm.FaultTolerantComm` reports.
+
+The errors it raises and the :class:`RecoveryResult` of a committed recovery, in a module that does
+not import ``mpi4py``: importing ``mpi4py.MPI`` (as ``ft/comm.py`` does) initializes MPI, which code
+that only catches or inspects these (a unit test, a supervisor, a log reader) must not pay for.
+``ft/comm.py`` re-exports every name here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class FTError(RuntimeError):
+    """Base class of the fault-tolerance errors raised to the caller."""
+
+
+class StaleEpoch(FTError):
+    """A reduction was requested for an epoch that is not the current world's."""
+
+    def __init__(self, given: int, current: int) -> None:
+        super().__init__(f"reduction tagged with epoch {given}, but the world is at epoch {current}")
+        self.given = given
+        self.current = current
+
+
+@dataclass(frozen=True)
+class RecoveryResult:
+    """What one committed recovery changed, and how long it took."""
+
+    old_epoch: int
+    new_epoch: int
+    failed_replicas: tuple[int, ...]
+    failed_ranks: tuple[int, ...]  # initial (launch communicator) ranks
+    alive_replicas: tuple[int, ...]
+    trigger: str  # "allreduce", "agree" or "manual"
+    detect_s: float  # how long the failing operation ran before it raised (0.0 for "manual")
+    detected_at: float  # wall clock (time.time()) when the failure surfaced here
+    revoke_s: float  # revoking the owned communicators + the entry agree
+    shrink_s: float  # all Shrink calls, summed over rounds
+    recover_s: float  # entering recovery -> commit
+    rounds: int  # shrink/split/commit rounds (1 unless something failed during recovery)
+    left: bool = False  # True on a rank that leaves (only ever seen by on_leave)
+    # Failed ranks whose process still ran on this host at the commit (frozen: now SIGKILLed), and
+    # failed ranks on other hosts, which this rank cannot see.
+    hung_ranks: tuple[int, ...] = ()
+    unseen_ranks: tuple[int, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+class WorldChanged(FTError):
+    """The world moved to a new epoch; work tagged with an older epoch must be redone."""
+
+    def __init__(self, result: RecoveryResult) -> None:
+        super().__init__(
+            f"world changed: epoch {result.old_epoch} -> {result.new_epoch}, "
+            f"failed replicas {list(result.failed_replicas)}"
+        )
+        self.result = result
+        self.old_epoch = result.old_epoch
+        self.new_epoch = result.new_epoch
+        self.failed_replicas = result.failed_replicas
+
+
+class AllReplicasFailed(FTError):
+    """Recovery committed but every replica failed: no replica is left alive to go on.
+
+    Raised on the ranks still running (members of failed replicas). The step transaction turns it
+    into the same ``too_few_replicas`` stop as falling below ``recover.min_replicas``.
+    """
+
+    def __init__(self, result: RecoveryResult) -> None:
+        super().__init__(f"no replica left alive (failed replicas {list(result.failed_replicas)})")
+        self.result = result
+
+
+__all__ = ["AllReplicasFailed", "FTError", "RecoveryResult", "StaleEpoch", "WorldChanged"]
