@@ -669,6 +669,20 @@ def test_recover_enabled_with_faults_validates():
     ]
 
 
+@pytest.mark.parametrize(
+    ("overrides", "forward", "checkpoint_restart"),
+    [
+        ([], False, False),
+        (["recover.mode=checkpoint_restart"], False, False),  # a mode without recover.enabled runs plain
+        ([RECOVER_ON], True, False),
+        (RESTART, False, True),
+    ],
+)
+def test_recover_mode_properties(overrides: list[str], forward: bool, checkpoint_restart: bool):
+    recover = tiny(*overrides).recover
+    assert (recover.forward, recover.checkpoint_restart) == (forward, checkpoint_restart)
+
+
 def test_init_from_a_checkpoint_path_alone_is_valid():
     cfg = tiny("model.init_method={path: /ckpt/step_10}")
     assert cfg.model.init_method.path == Path("/ckpt/step_10")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from nanotron_example import NANOTRON, NANOTRON_FIXES
 
-from nanotron_recover.config import Config, LlamaConfig, load_config
+from nanotron_recover.config import Config, ConfigError, LlamaConfig, load_config
 from nanotron_recover.estimate import estimate_stage, plan_summary
 from nanotron_recover.models.llama import LlamaStage, count_parameters
 
@@ -181,3 +181,20 @@ def test_plan_summary_reports_the_layout():
 
 def test_llama_config_defaults_are_llama_7b():
     assert count_parameters(LlamaConfig()) == 6_738_415_616
+
+
+def test_hsdp_plan_for_the_7b_cluster_config_fits_an_a100_40gb():
+    """The HSDP cluster config (FSDP2 over 8 ranks per replica, 64 replicas) plans 512 ranks and a
+    per-rank estimate under 40 GiB, with the recovery snapshot of the gradient shard counted."""
+    cfg = load_config(REPO / "configs" / "llama7b_c4_hsdp.yaml", check_paths=False)
+    plan = plan_summary(cfg)
+    assert plan["engine"] == "hsdp" and plan["world_size"] == 512 and plan["dp_shard"] == 8
+    worst = plan["worst_stage"]
+    assert worst.snapshot_bytes == worst.grad_bytes > 0
+    assert worst.parameters * 8 >= plan["parameters"]  # the heaviest rank holds at least 1/8 of it
+    assert worst.total_bytes < 40 * 2**30
+
+
+def test_hsdp_needs_tp_and_pp_of_one():
+    with pytest.raises(ConfigError, match="dp_shard=2 .HSDP. needs tp=1 and pp=1"):
+        load_config(TINY, ["parallelism.dp_shard=2", "parallelism.tp=2"])

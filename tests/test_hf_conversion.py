@@ -176,6 +176,31 @@ def test_tp2_training_checkpoint_to_hf_matches_eval_on_tp1(tmp_path: Path):
     assert theirs.std() > 0.1  # trained weights, not an all-zero head
 
 
+@pytest.mark.mpi
+def test_hsdp_training_checkpoint_to_hf_matches_hf(tmp_path: Path):
+    """A checkpoint written by the HSDP engine (FSDP2 over 2 ranks) converts to a Hugging Face model
+    whose logits are our eval's on tp=1."""
+    config = hf_models.write_config(tmp_path / "config.yaml", tie=False)
+    root = tmp_path / "checkpoints"
+    overrides = ["parallelism.dp_shard=2", "parallelism.dp=1", "tokens.train_steps=1"]
+    overrides.append(f"checkpoints.checkpoints_path={root}")
+    train = ["train", "--config", str(config), "--run-dir", str(tmp_path / "run")]
+    check(run_cli(train + [f"--set={o}" for o in overrides], nproc=2, timeout=240))
+    assert json.loads((root / "step_1" / "meta.json").read_text())["layout"] == {"tp": 1, "pp": 1, "dp": 1}
+    hf_dir = tmp_path / "hf"
+    check(convert(config, "--to-hf", str(root), "--out", str(hf_dir)))
+    model, info = load_hf(hf_dir)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    tokens = np.random.default_rng(3).integers(0, VOCAB, size=(2, 12), dtype=np.int64)
+    tokens_file, logits_file = tmp_path / "tokens.npy", tmp_path / "logits.npy"
+    np.save(tokens_file, tokens)
+    evaluate = ["eval", "--config", str(config), "--checkpoint", str(root), "--tokens", str(tokens_file)]
+    check(run_cli(evaluate + ["--logits-out", str(logits_file)], timeout=120))
+    theirs = logits_of(model, torch.from_numpy(tokens)[:, :-1]).numpy()
+    assert np.abs(np.load(logits_file) - theirs).max() < 1e-4
+    assert theirs.std() > 0.1
+
+
 # -- errors --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf_template(tmp_path_factory: pytest.TempPathFactory) -> Path:

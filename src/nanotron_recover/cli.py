@@ -34,15 +34,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         print(format_plan(plan_summary(cfg)))
         return 0
-    if cfg.recover.enabled and cfg.recover.mode == "forward":
+    if cfg.recover.forward:
         from .ft.heartbeat import start_mpi
 
         start_mpi(cfg.recover.heartbeat_period_s, cfg.recover.heartbeat_timeout_s)
+    from .data_parallel import build_data_parallel
     from .trainer import DistributedTrainer
 
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = DistributedTrainer(cfg, run_dir)
+    trainer = DistributedTrainer(cfg, run_dir, build_data_parallel(cfg, run_dir))
     try:
         trainer.train(stop_after_step=args.stop_after_step)
     finally:

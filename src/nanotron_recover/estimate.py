@@ -47,6 +47,30 @@ class StageEstimate:
         )
 
 
+def estimate_hsdp_rank(cfg: Config) -> StageEstimate:
+    """The heaviest HSDP rank: its shard of parameters, gradients and AdamW state (the sharded fp32
+    parameters are the masters), the transiently gathered weights, one micro-batch of activations
+    (FSDP computes micro-batches one at a time), and the recovery snapshot of its gradient shard."""
+    from .parallel.hsdp import hsdp_memory_per_rank
+
+    m, t = cfg.model.model_config, cfg.tokens
+    mem = hsdp_memory_per_rank(m, cfg.parallelism.dp_shard, cfg.model.dtype, recover=cfg.recover.forward)
+    width = 4 if cfg.model.dtype == "float32" else 2
+    s, b, h = t.sequence_length, t.micro_batch_size, m.hidden_size
+    acts = s * b * h * 34 * (width / 2) * m.num_hidden_layers + s * b * m.vocab_size * 4 * 2
+    return StageEstimate(
+        pp_rank=0,
+        layers=m.num_hidden_layers,
+        parameters=mem.shard_parameters,
+        param_bytes=mem.param_bytes + mem.unsharded_bytes + mem.accumulation_bytes,
+        master_bytes=0,
+        grad_bytes=mem.grad_bytes,
+        optimizer_bytes=mem.optimizer_bytes,
+        activation_bytes=int(acts),
+        snapshot_bytes=mem.snapshot_bytes,
+    )
+
+
 def estimate_stage(cfg: Config, pp_rank: int) -> StageEstimate:
     m, p, t = cfg.model.model_config, cfg.parallelism, cfg.tokens
     h, i, v, d = m.hidden_size, m.intermediate_size, m.vocab_size, m.head_dim
@@ -77,17 +101,22 @@ def estimate_stage(cfg: Config, pp_rank: int) -> StageEstimate:
         grad_bytes=params * 4,
         optimizer_bytes=params * 8,
         activation_bytes=int(acts),
-        snapshot_bytes=params * 4 if cfg.recover.enabled and cfg.recover.mode == "forward" else 0,
+        snapshot_bytes=params * 4 if cfg.recover.forward else 0,
     )
 
 
 def plan_summary(cfg: Config) -> dict:
     """Everything ``--dry-run`` prints, as a dict (also used by tests)."""
-    stages = [estimate_stage(cfg, r) for r in range(cfg.parallelism.pp)]
-    worst = max(stages, key=lambda e: e.total_bytes)
     p = cfg.parallelism
+    if p.dp_shard > 1:
+        stages = [estimate_hsdp_rank(cfg)]
+    else:
+        stages = [estimate_stage(cfg, r) for r in range(p.pp)]
+    worst = max(stages, key=lambda e: e.total_bytes)
     return {
         "world_size": cfg.world_size,
+        "engine": "hsdp" if p.dp_shard > 1 else "3d",
+        "dp_shard": p.dp_shard,
         "tp": p.tp,
         "pp": p.pp,
         "replicas": p.dp,
@@ -104,15 +133,20 @@ def plan_summary(cfg: Config) -> dict:
 
 def format_plan(summary: dict) -> str:
     w: StageEstimate = summary["worst_stage"]
+    if summary.get("engine") == "hsdp":
+        grid = f"HSDP: FSDP2 over dp_shard={summary['dp_shard']} ranks x dp={summary['replicas']} replicas"
+        where = "heaviest shard rank"
+    else:
+        grid = f"tp={summary['tp']} x pp={summary['pp']} x dp={summary['replicas']}"
+        where = f"heaviest stage = pp rank {w.pp_rank}"
     lines = [
-        f"world size      {summary['world_size']}  (tp={summary['tp']} x pp={summary['pp']} x dp={summary['replicas']})",
+        f"world size      {summary['world_size']}  ({grid})",
         f"replicas        {summary['replicas']}",
         f"B               {summary['B']} micro-batches per step (G={summary['G']} per replica)",
         f"tokens/step     {summary['tokens_per_step']:,}",
         f"parameters      {summary['parameters']:,} ({summary['parameters'] / 1e9:.2f}B)",
         f"pipeline        {summary['pp_engine']}, recover={'on' if summary['recover'] else 'off'}",
-        f"memory per rank (estimate, heaviest stage = pp rank {w.pp_rank}, {w.layers} layers, "
-        f"{w.parameters:,} parameters):",
+        f"memory per rank (estimate, {where}, {w.layers} layers, {w.parameters:,} parameters):",
         f"  parameters    {w.param_bytes / GIB:8.2f} GiB",
         f"  fp32 master   {w.master_bytes / GIB:8.2f} GiB",
         f"  fp32 grads    {w.grad_bytes / GIB:8.2f} GiB",

@@ -70,7 +70,7 @@ def heartbeat_of(cfg: Config) -> tuple[float, float] | None:
     """(period, timeout) in seconds of ULFM's heartbeat failure detector, from ``recover:``; None
     unless the config runs forward recovery (a plain run ends with MPI_Finalize, which blocks with
     the detector on, and has no survivors to keep going anyway)."""
-    if not (cfg.recover.enabled and cfg.recover.mode == "forward"):
+    if not cfg.recover.forward:
         return None
     return (cfg.recover.heartbeat_period_s, cfg.recover.heartbeat_timeout_s)
 
@@ -146,7 +146,7 @@ def target_step_of(cfg: Config, stop_after_step: int | None = None) -> int:
 
 def restarts_enabled(cfg: Config) -> bool:
     """The checkpoint-restart baseline: plain MPI (no ULFM) and a relaunch after every failure."""
-    return cfg.recover.enabled and cfg.recover.mode == "checkpoint_restart"
+    return cfg.recover.checkpoint_restart
 
 
 def launch_command(

@@ -97,7 +97,7 @@ def job_shape(cfg: Config, nodes: int, gpus_per_node: int) -> JobShape:
 
 def _suggest(cfg: Config, nodes: int, gpus_per_node: int) -> str:
     p = cfg.parallelism
-    replica = p.tp * p.pp
+    replica = p.replica_size
     hint = []
     if cfg.world_size % gpus_per_node == 0:
         hint.append(f"use --nodes {cfg.world_size // gpus_per_node}")

@@ -1,62 +1,46 @@
-"""DistributedTrainer: the 3D-parallel training loop, in plain or fault-tolerant mode.
+"""DistributedTrainer: the training loop, the same for every engine and data-parallel mode.
 
-The step contract, in both modes: (1-based) step ``s`` consumes the micro-batch ids
-``(s-1)*B .. s*B-1`` with ``B = dp * batch_accumulation_per_replica``, each exactly once; each
-micro-batch's mean token loss is scaled by the constant ``1/B`` before backward, so the summed
-gradient, and the loss of every step, depend on the config only, not on the layout or the faults.
+The step contract: (1-based) step ``s`` consumes the micro-batch ids ``(s-1)*B .. s*B-1`` with
+``B = dp * batch_accumulation_per_replica``, each exactly once; each micro-batch's mean token loss is
+scaled by the constant ``1/B`` before backward, so the summed gradient, and the loss of every step,
+depend on the config only, not on the layout, the engine or the faults.
 
-What differs between the modes is how a step's gradient gets summed across data-parallel replicas,
-which a ``DataParallelMode`` owns:
+The trainer composes two parts it does not look inside:
 
-- plain (``PlainDataParallel``, below): one torch.distributed world over all ranks; data rank ``d``
-  computes the ``G`` consecutive ids from ``(s-1)*B + d*G``; the gradient buffer is all-reduced
-  through torch.distributed (NCCL on GPU, gloo on CPU). The fault-free reference.
-- recover (``ForwardRecovery``, in ``recovery/transaction.py``): each replica is its own torch world
-  and the reduction goes through the ULFM communicator, which survives replica failures inside
-  the step.
+- a model engine (``engines/``): one rank's share of one replica's model, 3D (TP x PP) or HSDP
+  (FSDP2), with its flat fp32 gradient and its optimizer step;
+- a data-parallel mode (``data_parallel/``), handed in by the caller: how the step's micro-batches
+  are split over the replicas and their gradients summed -- a plain all-reduce, or forward recovery
+  over the ULFM communicator (``recovery/transaction.py``).
 
-Everything else (model, fp32 gradient buffer, optimizer, clipping, checkpoints, metrics) is shared.
+It owns the rest: the loop, data sources, checkpoints (when and where), metrics, and the outcome
+record.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .checkpoint import (
-    CheckpointError,
-    CheckpointReader,
-    PendingSave,
-    find_resume_checkpoint,
-    latest_step,
-    save_checkpoint,
-)
-from .config import Config, TokenizedDatasetArgs, check_world_size
+from .checkpoint import CheckpointError, PendingSave, find_resume_checkpoint, latest_step
+from .config import Config, TokenizedDatasetArgs
 from .data import MicroBatchSource, build_microbatch_source
+from .data_parallel import DataParallelMode, ReplicaParts
+from .engines import ModelEngine, build_model_engine
 from .errors import ExitCode, InputError, StopRun
-from .ft.faults import FaultInjector
 from .logging import MetricsWriter, ids_digest
 from .logging.progress import Progress
 from .logging.wandb_logger import RunLogger, run_name_for_config
-from .models.llama import LlamaStage
-from .optim import GradBuffer, MasterOptimizer, clip_grad_norm_, lr_at
+from .optim import lr_at
 from .outcome import write_outcome
-from .parallel.context import ParallelContext
-from .parallel.pipeline_parallel import PipelineEngine, build_engine
-from .parallel.world import World, init_world
 
 HISTORY_STEPS = 64  # recent step records every rank keeps, for a logger that takes over
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def set_cpu_threads() -> None:
@@ -65,181 +49,6 @@ def set_cpu_threads() -> None:
         return
     local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", 1)))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
-
-
-@dataclass
-class ReducedStep:
-    """What a data-parallel mode hands back once the step's gradient is summed in the buffer."""
-
-    loss: float  # sum of the contributed micro-batch losses / B
-    ids: list[int]  # micro-batch ids the summed gradient contains
-    replicas: int
-    extra: dict[str, Any] = field(default_factory=dict)  # mode-specific metrics
-
-
-class DataParallelMode(Protocol):
-    def setup_world(self) -> tuple[World, ParallelContext]: ...
-    def attach(self, trainer: DistributedTrainer) -> None: ...
-    def agree_startup(self, error: str | None) -> str | None: ...
-    def reduced_gradients(self, step: int) -> ReducedStep: ...
-    def before_optimizer(self) -> None: ...
-    def fault_point(self, phase: str) -> None: ...
-    def after_step(self, step: int) -> None: ...
-    def local_phase(self, name: str) -> contextlib.AbstractContextManager[None]: ...
-    def request_stop(self, stop: StopRun) -> None: ...
-    def check_member(self) -> None: ...
-    def finish(self, last_step: int, resave: Callable[[int], Any] | None = None) -> None: ...
-    def is_logger(self) -> bool: ...
-    def is_checkpoint_writer(self) -> bool: ...
-    def replica_id(self) -> int: ...
-    def abort(self, error: BaseException) -> None: ...
-    def close(self) -> None: ...
-
-
-def make_data_parallel(cfg: Config, run_dir: Path) -> DataParallelMode:
-    """The data-parallel mode the config asks for. The fault-tolerant one turns on ULFM's heartbeat
-    detector first: its parameters must be in place before MPI starts."""
-    if cfg.recover.enabled and cfg.recover.mode == "forward":
-        if "mpi4py.MPI" not in sys.modules:  # `train` starts MPI first thing; others start it here
-            from .ft.heartbeat import start_mpi
-
-            start_mpi(cfg.recover.heartbeat_period_s, cfg.recover.heartbeat_timeout_s)
-        from .recovery.transaction import ForwardRecovery
-
-        return ForwardRecovery(cfg, run_dir)
-    return PlainDataParallel(cfg, run_dir)
-
-
-# Stop kinds as codes for the plain mode's all-reduce (MAX: the most specific cause wins).
-_STOP_CODES = {kind: i + 1 for i, kind in enumerate(("too_few_replicas", "input", "io", "deterministic"))}
-
-
-class PlainDataParallel:
-    """One torch world; the DP all-reduce is a torch.distributed collective.
-
-    This is also the checkpoint-restart baseline (``recover.mode: checkpoint_restart``): injected
-    faults kill their rank here like in the fault-tolerant mode, the whole job dies with it, and
-    the launcher relaunches it from the last checkpoint (``restart.py``).
-    """
-
-    def __init__(self, cfg: Config, run_dir: Path | None = None):
-        self.cfg, self.run_dir = cfg, run_dir
-        self.injector: FaultInjector | None = None
-        self.pending_stop: StopRun | None = None
-
-    def setup_world(self) -> tuple[World, ParallelContext]:
-        world = init_world()
-        check_world_size(self.cfg, world.size)
-        p = self.cfg.parallelism
-        return world, ParallelContext.create(p.tp, p.pp, p.dp, world.device)
-
-    def attach(self, trainer: DistributedTrainer) -> None:
-        self.t = trainer
-        r = self.cfg.recover
-        if r.enabled and r.mode == "checkpoint_restart" and self.run_dir is not None:
-            ctx = trainer.ctx
-            self.injector = FaultInjector(r, trainer.world.rank, ctx.dp_rank, self.run_dir)
-            trainer.engine.event_hook = lambda kind, i: self.injector.maybe_fail(kind, i)
-
-    def my_ids(self, step: int) -> list[int]:
-        t = self.t
-        first = (step - 1) * t.B + t.ctx.dp_rank * t.G
-        return list(range(first, first + t.G))
-
-    def reduced_gradients(self, step: int) -> ReducedStep:
-        t, ctx = self.t, self.t.ctx
-        ids = self.my_ids(step)
-        if self.injector is not None:
-            self.injector.begin_step(step, list(range(ctx.dp)))
-        source = t.source_for(step)
-        losses = t.engine.train_batch([source.get(i) for i in ids], loss_scale=1.0 / t.B)
-        if self.injector is not None:
-            self.injector.maybe_fail("reduce", 0)
-        if ctx.dp > 1:
-            dist.all_reduce(t.grads.flat, group=ctx.dp_group)
-        # The loss lives on the last stage (its tp ranks hold the same value: count tp rank 0).
-        loss_sum = torch.zeros(1, dtype=torch.float64, device=t.world.device)
-        if ctx.is_last_stage and ctx.tp_rank == 0:
-            loss_sum += sum(float(x) for x in losses)
-        dist.all_reduce(loss_sum)
-        return ReducedStep(loss_sum.item() / t.B, self._gather_ids(ids), ctx.dp)
-
-    def _gather_ids(self, ids: list[int]) -> list[int]:
-        """The ids every data rank actually consumed this step (what ``ids_digest`` is computed on)."""
-        ctx = self.t.ctx
-        if ctx.dp == 1:
-            return ids
-        mine = torch.tensor(ids, dtype=torch.int64, device=self.t.world.device)
-        parts = [torch.empty_like(mine) for _ in range(ctx.dp)]
-        dist.all_gather(parts, mine, group=ctx.dp_group)
-        return torch.cat(parts).tolist()
-
-    def before_optimizer(self) -> None:
-        if self.injector is not None:
-            self.injector.maybe_fail("optimizer", 0)
-
-    def agree_startup(self, error: str | None) -> str | None:
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return error
-        errors: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        return next((e for e in errors if e is not None), None)
-
-    def local_phase(self, name: str) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def request_stop(self, stop: StopRun) -> None:
-        if self.pending_stop is None:
-            self.pending_stop = stop
-
-    def _agree_stop(self) -> None:
-        """Every rank stops together if any rank asked to (one scalar all-reduce)."""
-        mine = _STOP_CODES[self.pending_stop.kind] if self.pending_stop is not None else 0
-        code = torch.tensor([mine], dtype=torch.int64, device=self.t.world.device)
-        if self.t.world.size > 1:
-            dist.all_reduce(code, op=dist.ReduceOp.MAX)
-        if code.item():
-            kind = next(k for k, c in _STOP_CODES.items() if c == code.item())
-            if self.pending_stop is not None and self.pending_stop.kind == kind:
-                raise self.pending_stop
-            raise StopRun(kind, f"stop requested by another rank ({kind})")
-
-    def after_step(self, step: int) -> None:
-        self._agree_stop()
-
-    def fault_point(self, phase: str) -> None:
-        if self.injector is not None:
-            self.injector.maybe_fail(phase, 0)
-
-    def finish(self, last_step: int, resave: Callable[[int], Any] | None = None) -> None:
-        self._agree_stop()
-        if self.t.world.rank == 0 and self.run_dir is not None:
-            self.t.write_outcome("completed", last_step)
-
-    def check_member(self) -> None:
-        pass
-
-    def is_logger(self) -> bool:
-        return self.t.world.rank == 0
-
-    def is_checkpoint_writer(self) -> bool:
-        return True  # every rank takes part; data rank 0 writes the shards
-
-    def replica_id(self) -> int:
-        return self.t.ctx.dp_rank
-
-    def abort(self, error: BaseException) -> None:
-        if isinstance(error, StopRun) and self.t.world.rank == 0 and self.run_dir is not None:
-            self.t.write_outcome("stopped", self.t.last_committed, error)
-        raise error
-
-    def close(self) -> None:
-        """Tear the torch world down in order, so no gloo thread is left alive at interpreter exit."""
-        if dist.is_initialized():
-            try:
-                dist.barrier()
-            finally:
-                dist.destroy_process_group()
 
 
 @dataclass
@@ -255,9 +64,9 @@ class StepResult:
 
 
 class DistributedTrainer:
-    def __init__(self, cfg: Config, run_dir: str | Path, dp_mode: DataParallelMode | None = None):
+    def __init__(self, cfg: Config, run_dir: str | Path, dp_mode: DataParallelMode):
         self.cfg, self.run_dir = cfg, Path(run_dir)
-        self.dp_mode = dp_mode if dp_mode is not None else make_data_parallel(cfg, self.run_dir)
+        self.dp_mode = dp_mode
         self.world, self.ctx = self.dp_mode.setup_world()
         if self.world.device.type == "cpu":
             set_cpu_threads()
@@ -269,53 +78,41 @@ class DistributedTrainer:
         )
         self._sources: dict[int, MicroBatchSource] = {}
         self.target_step = cfg.tokens.train_steps
-        self.last_committed = 0
         # Bad input found now (a damaged checkpoint, a truncated corpus, another tokenizer's corpus)
         # may show on some ranks only: every rank learns the first error and stops the same way,
         # instead of the others waiting for the failed ones in their first collective.
         error = None
         try:
-            self._build()
+            self.engine: ModelEngine = build_model_engine(cfg, self.world, self.ctx)
+            # Open (and so check) every data stage's corpus now, not when its first step comes.
+            for stage in cfg.data_stages:
+                self.source_for(max(stage.start_training_step, 1))
+            self.start_step = self._maybe_resume()
         except (InputError, CheckpointError, OSError) as e:
             error = " ".join(str(e).split())
         agreed = self.dp_mode.agree_startup(error)
         if agreed is not None:
             raise InputError(agreed)
-        self.last_committed = self.start_step
-        self.dp_mode.attach(self)
         self.metrics: MetricsWriter | None = None
         self._history: list[dict[str, Any]] = []
         # Real on the logging rank only (see _start_reporting); no-ops elsewhere.
         self.run_logger = RunLogger()
         self.progress = Progress(0, enabled=False)
         self._pending_save: PendingSave | None = None
-
-    def _build(self) -> None:
-        cfg, p = self.cfg, self.cfg.parallelism
-        self.stage = LlamaStage(
-            cfg.model.model_config,
-            tp_group=self.ctx.tp_group,
-            pp=p.pp,
-            pp_rank=self.ctx.pp_rank,
-            dtype=DTYPES[cfg.model.dtype],
-            device=self.world.device,
+        self.dp_mode.attach(
+            ReplicaParts(
+                engine=self.engine,
+                data=self.source_for,
+                save=lambda step, synchronous: self.save(step, synchronous=synchronous),
+                log_incident=lambda record: self.run_logger.log_incident(record),
+                write_line=lambda line: self.progress.write(line, file=sys.stdout),
+                write_outcome=self.write_outcome,
+                world=self.world,
+                ctx=self.ctx,
+                B=self.B,
+                G=self.G,
+            )
         )
-        init = cfg.model.init_method
-        if init.path is not None:
-            CheckpointReader(init.path).load_model(self.stage)
-        else:
-            self.stage.init_weights(init.std, cfg.general.seed)
-        named = list(self.stage.named_parameters())
-        self.grads = GradBuffer(named, self.world.device)
-        self.optimizer = MasterOptimizer(named, self.grads, cfg.optimizer)
-        t = cfg.tokens
-        self.engine: PipelineEngine = build_engine(
-            p.pp_engine, self.stage, self.ctx, t.micro_batch_size, t.sequence_length
-        )
-        # Open (and so check) every data stage's corpus now, not when its first step comes.
-        for stage in cfg.data_stages:
-            self.source_for(max(stage.start_training_step, 1))
-        self.start_step = self._maybe_resume()
 
     # -- data --------------------------------------------------------------------------------
     def source_for(self, step: int) -> MicroBatchSource:
@@ -347,9 +144,7 @@ class DistributedTrainer:
         reader = find_resume_checkpoint(self.cfg, self.checkpoints_path, rank=self.world.rank)
         if reader is None:
             return 0
-        reader.load_model(self.stage)
-        if ck.load_optimizer:
-            self.optimizer.load_state_tensors(reader.load_optimizer_state(self.stage), reader.step)
+        self.engine.load(reader, ck.load_optimizer)
         reader.load_rng(self.world.rank, self.world.size)
         if self.world.rank == 0:
             print(f"[nanotron-recover] resumed from {reader.path} at step {reader.step}", flush=True)
@@ -370,16 +165,8 @@ class DistributedTrainer:
             asynchronous = not synchronous and (
                 ck.async_save or (r.enabled and r.mode == "checkpoint_restart")
             )
-            saved = save_checkpoint(
-                self.checkpoints_path,
-                step,
-                self.cfg,
-                self.stage,
-                self.optimizer.state_tensors(),
-                tp=self.ctx.tp,
-                pp=self.ctx.pp,
-                dp_rank=self.ctx.dp_rank,
-                asynchronous=asynchronous,
+            saved = self.engine.save(
+                self.checkpoints_path, step, self.cfg, dp_rank=self.ctx.dp_rank, asynchronous=asynchronous
             )
         if isinstance(saved, PendingSave):
             self._pending_save = saved
@@ -415,8 +202,8 @@ class DistributedTrainer:
         if latest_step(self.checkpoints_path) != step:
             self._save_or_stop(step, synchronous=True)
 
-    def write_outcome(self, status: str, last_step: int, stop: StopRun | None = None) -> None:
-        write_outcome(
+    def write_outcome(self, status: str, last_step: int, stop: StopRun | None = None) -> bool:
+        return write_outcome(
             self.run_dir,
             status=status,
             last_step=last_step,
@@ -427,34 +214,13 @@ class DistributedTrainer:
         )
 
     # -- one optimizer step ------------------------------------------------------------------
-    def _sync_tied_grads(self) -> None:
-        """With pp > 1 a tied output head is a copy on the last stage: sum its gradient with the
-        embedding's so both copies take the same update."""
-        if not (self.cfg.model.model_config.tie_word_embeddings and self.ctx.pp > 1):
-            return
-        name = "model.embed_tokens.weight" if self.ctx.is_first_stage else "lm_head.weight"
-        if self.ctx.is_first_stage or self.ctx.is_last_stage:
-            dist.all_reduce(self.grads.views[name], group=self.ctx.tied_group)
-
     def train_step(self, step: int) -> StepResult:
         t0 = time.perf_counter()
         reduced = self.dp_mode.reduced_gradients(step)
         self.dp_mode.before_optimizer()
         with self.dp_mode.local_phase("optimizer"):
-            self._sync_tied_grads()
-            grad_norm = clip_grad_norm_(
-                self.grads,
-                self.stage.specs,
-                self.cfg.optimizer.clip_grad,
-                self.ctx.tp_rank,
-                self.ctx.mp_group,
-            )
             lr = lr_at(step - 1, self.cfg.optimizer.learning_rate_scheduler, self.cfg.tokens.train_steps)
-            self.optimizer.step(lr)
-            self.grads.zero_()
-            if self.world.device.type == "cuda":
-                torch.cuda.synchronize()
-        self.last_committed = step
+            grad_norm = self.engine.optimizer_step(lr)
         dt = time.perf_counter() - t0
         return StepResult(step, reduced.loss, lr, grad_norm, reduced.ids, dt, reduced.replicas, reduced.extra)
 
@@ -494,16 +260,14 @@ class DistributedTrainer:
         return results
 
     def write_parameter_digest(self) -> Path:
-        """``<run_dir>/parameters/replica<r>_pp<p>_tp<t>.sha256``: a digest of this rank's parameter
-        shards, so anyone can check that the replicas ended bitwise identical."""
-        digest = hashlib.sha256()
-        for name, param in sorted(self.stage.named_parameters()):
-            digest.update(name.encode())
-            digest.update(param.detach().float().cpu().contiguous().numpy().tobytes())
+        """``<run_dir>/parameters/replica<r>_pp<p>_tp<t>.sha256``: a digest of this rank's parameters
+        (of the full model for HSDP, whose shard index takes the tp place), so anyone can check that
+        the replicas ended bitwise identical."""
+        digest = self.engine.parameter_digest()
         folder = self.run_dir / "parameters"
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"replica{self.dp_mode.replica_id()}_pp{self.ctx.pp_rank}_tp{self.ctx.tp_rank}.sha256"
-        path.write_text(digest.hexdigest() + "\n")
+        path = folder / f"replica{self.dp_mode.replica_id()}_{self.engine.digest_name}.sha256"
+        path.write_text(digest + "\n")
         return path
 
     def _start_reporting(self, truncate_after_step: int | None = None) -> None:
@@ -556,5 +320,5 @@ class DistributedTrainer:
         self.run_logger.finish()
         if self.metrics is not None:
             self.metrics.close()
-        self.grads.remove_hooks()
+        self.engine.close()
         self.dp_mode.close()

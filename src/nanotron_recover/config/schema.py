@@ -38,6 +38,19 @@ class ParallelismArgs:
     tp_linear_async_communication: bool = False
     expert_parallel_size: int = 1
     recompute_layer: bool = False
+    # HSDP: each data-parallel replica is dp_shard ranks running FSDP2 (parameters, gradients and
+    # optimizer state sharded inside the replica); 1 is the 3D engine. Needs tp = pp = 1.
+    dp_shard: int = 1
+
+    @property
+    def inner(self) -> int:
+        """Ranks along the innermost dimension of the rank grid: tp ranks, or HSDP shard ranks."""
+        return self.tp * self.dp_shard
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks per data-parallel replica."""
+        return self.inner * self.pp
 
 
 @dataclass
@@ -270,6 +283,16 @@ class RecoverArgs:
     faults: list[FaultSpec] = field(default_factory=list)
     random_faults: RandomFaults | None = None
 
+    @property
+    def forward(self) -> bool:
+        """Forward recovery runs: ``enabled`` and ``mode: forward`` (ULFM, repair inside the step)."""
+        return self.enabled and self.mode == "forward"
+
+    @property
+    def checkpoint_restart(self) -> bool:
+        """The checkpoint-restart baseline runs: ``enabled`` and ``mode: checkpoint_restart``."""
+        return self.enabled and self.mode == "checkpoint_restart"
+
 
 @dataclass
 class Config:
@@ -291,7 +314,7 @@ class Config:
     @property
     def world_size(self) -> int:
         p = self.parallelism
-        return p.dp * p.tp * p.pp
+        return p.dp * p.replica_size
 
     @property
     def microbatches_per_step(self) -> int:

@@ -25,9 +25,14 @@ from .schema import Config, FaultSpec, HFDatasetArgs, TokenizedDatasetArgs
 def validate_config(cfg: Config, check_paths: bool = True) -> None:
     """Raise ConfigError for a config that cannot train; ``check_paths`` also checks dataset folders."""
     p, m, t = cfg.parallelism, cfg.model.model_config, cfg.tokens
-    for name in ("dp", "tp", "pp"):
+    for name in ("dp", "tp", "pp", "dp_shard"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallelism.{name} must be >= 1, got {getattr(p, name)}")
+    if p.dp_shard > 1 and (p.tp > 1 or p.pp > 1):
+        raise ConfigError(
+            f"parallelism.dp_shard={p.dp_shard} (HSDP) needs tp=1 and pp=1, got tp={p.tp} pp={p.pp}: "
+            "shard a replica with FSDP2 or split it with tensor/pipeline parallelism, not both"
+        )
     if p.expert_parallel_size != 1:
         _refuse("parallelism.expert_parallel_size", p.expert_parallel_size, "1", "LLaMA has no experts")
     _validate_model_sizes(cfg)
@@ -172,8 +177,9 @@ def check_world_size(cfg: Config, world_size: int) -> None:
     """The launched world must be exactly tp*pp*dp ranks."""
     p = cfg.parallelism
     if world_size != cfg.world_size:
+        grid = f"dp_shard*dp = {p.dp_shard}*{p.dp}" if p.dp_shard > 1 else f"tp*pp*dp = {p.tp}*{p.pp}*{p.dp}"
         raise ConfigError(
-            f"world size {world_size} != tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {cfg.world_size}: "
+            f"world size {world_size} != {grid} = {cfg.world_size}: "
             f"launch {cfg.world_size} ranks or change parallelism"
         )
 
@@ -432,7 +438,7 @@ def _validate_recover(cfg: Config) -> None:
             raise ConfigError(
                 f"recover.random_faults.until_replicas must be between 1 and parallelism.dp={dp}"
             )
-    if r.enabled and r.mode == "checkpoint_restart":
+    if r.checkpoint_restart:
         if cfg.checkpoints.checkpoint_interval < 1:
             raise ConfigError("recover.mode: checkpoint_restart needs checkpoints.checkpoint_interval >= 1")
         for i, f in enumerate(r.faults):

@@ -69,27 +69,25 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..config import Config, check_world_size
-from ..errors import STOP_KINDS, ExitCode, StopRun
-from ..ft.comm import FaultTolerantComm, RecoveryResult, TooFewReplicas, WorldChanged
+from ..data_parallel.protocol import ReducedStep, ReplicaParts
+from ..errors import STOP_KINDS, StopRun
 from ..ft.failstop import Watchdog, fail_stop
 from ..ft.faults import FaultInjector
 from ..ft.records import read_records, write_record
 from ..ft.replica_world import init_replica_world
+from ..ft.world import AllReplicasFailed, RecoveryResult, WorldChanged
 from ..logging import IncidentLog
-from ..outcome import SUPERVISED_ENV, write_outcome
+from ..outcome import SUPERVISED_ENV
 from ..parallel.context import ParallelContext
 from ..parallel.world import World
-from ..policy import CoverageError, StepPlan, repair, steady_plan
+from ..policy import CoverageError, StepPlan, check_coverage, repair, steady_plan
 from .buckets import BucketedReduction
-
-if TYPE_CHECKING:
-    from ..trainer import DistributedTrainer, ReducedStep
 
 # Each stop kind is one bit of the step agree's stop set.
 STOP_BITS = {kind: 1 << i for i, kind in enumerate(sorted(STOP_KINDS))}
@@ -171,14 +169,17 @@ class ForwardRecovery:
     def setup_world(self) -> tuple[World, ParallelContext]:
         from mpi4py import MPI
 
+        from ..ft.comm import FaultTolerantComm  # MPI only here: the transaction itself needs none
+
         check_world_size(self.cfg, MPI.COMM_WORLD.Get_size())
         p = self.cfg.parallelism
+        # A replica is p.inner x p.pp ranks: tp ranks (3D) or shard ranks (HSDP) along the inside.
         self.ftc = FaultTolerantComm(
-            p.tp, p.pp, p.dp, on_leave=self._on_leave, on_failure_notice=self._on_failure_notice
+            p.inner, p.pp, p.dp, on_leave=self._on_leave, on_failure_notice=self._on_failure_notice
         )
         self.my_replica_ranks = set(self.ftc.topology.ranks_of_replica(self.ftc.replica))
         world = init_replica_world(self.ftc)
-        ctx = ParallelContext.create(p.tp, p.pp, 1, world.device)
+        ctx = ParallelContext.create(p.inner, p.pp, 1, world.device)
         self.injector = FaultInjector(self.args, self.ftc.rank, self.ftc.replica, self.run_dir)
         if self.ftc.rank == 0:
             self._write_rank_table()
@@ -197,16 +198,16 @@ class ForwardRecovery:
         except OSError:
             pass
 
-    def attach(self, trainer: DistributedTrainer) -> None:
-        self.t = trainer
-        self.B = trainer.B
+    def attach(self, parts: ReplicaParts) -> None:
+        self.parts = parts
+        self.B = parts.B
         self.W = self.cfg.parallelism.dp
         # [0, B): how many replicas contributed each id; [B, 2B): its loss; then per replica, when
         # it last saw a failure: [2B, 2B+W) the failing operation began, [2B+W, 2B+2W) it raised.
         self.bookkeeping = torch.zeros(2 * self.B + 2 * self.W, dtype=torch.float64)
         numel = max(1, int(self.args.bucket_size_mb * 2**20) // 4)
-        self.reduction = BucketedReduction([trainer.grads.flat, self.bookkeeping], numel)
-        trainer.engine.event_hook = self._engine_event
+        self.reduction = BucketedReduction([parts.engine.grads_flat, self.bookkeeping], numel)
+        parts.engine.event_hook = self._engine_event
         self.incident_log = IncidentLog(self.run_dir / "incidents.jsonl")
 
     def agree_startup(self, error: str | None) -> str | None:
@@ -309,19 +310,20 @@ class ForwardRecovery:
     def _compute(self, step: int, ids: tuple[int, ...], state: StepState) -> None:
         if not ids:
             return
-        t = self.t
-        source = t.source_for(step)
+        t = self.parts
+        source = t.data(step)
         self.computing = ids
         try:
             with self.local_phase("recovery" if self.in_recovery else "compute"):
                 losses = t.engine.train_batch([source.get(i) for i in ids], loss_scale=1.0 / self.B)
         except Exception as error:
+            self.phase = "recovery" if self.in_recovery else "compute"
             self._compute_failed(step, error)
         finally:
             self.computing, self.current_id = (), None
-        keep_loss = t.ctx.is_last_stage and t.ctx.tp_rank == 0
+        keep_loss = t.engine.holds_loss  # count each micro-batch's loss on one rank of the replica
         for k, i in enumerate(ids):
-            state.computed[i] = float(losses[k]) if keep_loss else 0.0
+            state.computed[i] = losses[k] if keep_loss else 0.0
 
     def _compute_failed(self, step: int, error: BaseException) -> None:
         """An exception while computing: this replica's torch world can no longer be trusted, so the
@@ -358,7 +360,7 @@ class ForwardRecovery:
 
     def _gate(self) -> None:
         self.injector.maybe_fail("gate", 0)
-        world = self.t.world
+        world = self.parts.world
         if world.size == 1:
             return
         try:
@@ -386,8 +388,6 @@ class ForwardRecovery:
 
     # -- the step ------------------------------------------------------------------------------
     def reduced_gradients(self, step: int) -> ReducedStep:
-        from ..trainer import ReducedStep
-
         self.step = step
         alive = self.ftc.alive_replicas
         self.injector.begin_step(step, alive)
@@ -399,8 +399,8 @@ class ForwardRecovery:
         mine = state.plan.assignments[me]
         self._compute(step, mine.ids, state)
         if not mine.contributes:
-            state.shadow = self.t.grads.flat.clone()  # a Spare's gradients count only if promoted
-            self.t.grads.flat.zero_()
+            state.shadow = self.parts.engine.grads_flat.clone()  # a Spare's gradients count only if promoted
+            self.parts.engine.grads_flat.zero_()
         first_id = (step - 1) * self.B
 
         while True:
@@ -420,12 +420,12 @@ class ForwardRecovery:
                 break
             except WorldChanged as changed:
                 self._recover_step(step, state, changed)
-            except TooFewReplicas as gone:
-                self._stop(step - 1, StopRun("too_few_replicas", f"no replica left alive ({gone})"))
+            except AllReplicasFailed as gone:
+                self._stop(step - 1, StopRun("too_few_replicas", str(gone)))
         committed = time.perf_counter()
         if stop:
             self._log_incidents(state.incidents, committed)
-            self._stop(step - 1, self._agreed_stop(stop))
+            self._stop(step - 1, self._agreed_stop(stop), known=False)
 
         counts = self.bookkeeping[: self.B]
         if not torch.all(counts == 1.0):
@@ -434,9 +434,9 @@ class ForwardRecovery:
         loss_sum = torch.tensor(
             [self.bookkeeping[self.B : 2 * self.B].sum().item()],
             dtype=torch.float64,
-            device=self.t.world.device,
+            device=self.parts.world.device,
         )
-        if self.t.world.size > 1:
+        if self.parts.world.size > 1:
             with self.local_phase("loss"):
                 dist.all_reduce(loss_sum)  # only the last stage's tp rank 0 holds losses
         self._log_incidents(state.incidents, committed)
@@ -488,6 +488,7 @@ class ForwardRecovery:
         surfaced = result.detected_at
         self.last_failure_view = (surfaced - result.detect_s, surfaced)
         rep = repair(state.plan, result.failed_replicas)
+        check_coverage(rep.plan)  # a bad repair is caught before any extra micro-batch is computed
         state.plan = rep.plan
         state.g_ext += rep.g_ext
         incident, records = self._incident(
@@ -508,13 +509,13 @@ class ForwardRecovery:
                 f"recover.min_replicas={self.args.min_replicas}"
             )
             self._stop(step - 1, StopRun("too_few_replicas", why), save=True)
-        asynchronous = self.args.restore == "async" and self.t.world.device.type == "cuda"
+        asynchronous = self.args.restore == "async" and self.parts.world.device.type == "cuda"
         self.restore_handle = self.reduction.restore(self.ftc.epoch, asynchronous=asynchronous)
         me = self.ftc.replica
         if me in rep.promoted.values() and state.shadow is not None:
             # The side stream may still be copying snapshots into this memory: wait first.
             self._wait_restore()
-            self.t.grads.flat.add_(state.shadow)  # promoted: the shadow gradients now count
+            self.parts.engine.grads_flat.add_(state.shadow)  # promoted: the shadow gradients now count
             state.shadow = None
         extra_ids = rep.extra.get(me, ())
         if not extra_ids:
@@ -593,26 +594,17 @@ class ForwardRecovery:
                 self.incident_log.write(record)
             except OSError as e:
                 print(f"[nanotron-recover] incident not logged: {e}", file=sys.stderr, flush=True)
-            self.t.run_logger.log_incident(record)
-            self.t.progress.write(
+            self.parts.log_incident(record)
+            self.parts.write_line(
                 f"[nanotron-recover] step {inc.step}: replicas {record['failed_replicas']} failed "
                 f"({inc.kind} in {inc.phase}), {inc.action}, {inc.extra_microbatches} micro-batches redone, "
-                f"epoch {r.new_epoch}",
-                file=sys.stdout,
+                f"epoch {r.new_epoch}"
             )
 
     def _write_outcome(self, status: str, last_step: int, stop: StopRun | None) -> bool:
-        return write_outcome(
-            self.run_dir,
-            status=status,
-            last_step=last_step,
-            target_step=self.t.target_step,
-            exit_code=stop.exit_code if stop is not None else ExitCode.OK,
-            kind=stop.kind if stop is not None else None,
-            message=stop.message if stop is not None else None,
-        )
+        return self.parts.write_outcome(status, last_step, stop)
 
-    def _stop(self, last_step: int, stop: StopRun, save: bool = False) -> None:
+    def _stop(self, last_step: int, stop: StopRun, save: bool = False, known: bool = True) -> None:
         """Stop the whole job: every survivor calls this after the same agree or recovery.
 
         With ``save`` (too few replicas) the checkpoint writer first saves the last committed step
@@ -621,11 +613,15 @@ class ForwardRecovery:
         logging rank records the outcome and says it in one line, and all exit with its status."""
         message = stop.message
         knows_cause = self.pending_stop is not None and self.pending_stop.kind == stop.kind
-        knows_cause = knows_cause or stop.kind in RECORD_STOP_KINDS or "no replica left" in message
+        # A stop agreed in the step agree (known=False) carries only its kind: the message is with the
+        # rank(s) that requested it, and must not be replaced by this rank's placeholder.
+        knows_cause = knows_cause or (
+            known and (stop.kind in RECORD_STOP_KINDS or "no replica left" in message)
+        )
         if save and self.is_checkpoint_writer():
             knows_cause = True
             try:
-                path = self.t.save(last_step, synchronous=True)
+                path = self.parts.save(last_step, True)
                 message += (
                     f". Saved step {last_step} to {path}; resume it in plain or recover mode with "
                     "checkpoints.resume_checkpoint_path"
@@ -684,10 +680,10 @@ class ForwardRecovery:
                     self._stop(last_step, StopRun(stopping[0]["kind"], stopping[0].get("message", "")))
                 if resave is not None and self.is_checkpoint_writer():
                     resave(last_step)
-            except TooFewReplicas as gone:
-                self._stop(last_step, StopRun("too_few_replicas", f"no replica left alive ({gone})"))
+            except AllReplicasFailed as gone:
+                self._stop(last_step, StopRun("too_few_replicas", str(gone)))
         if stop:
-            self._stop(last_step, self._agreed_stop(stop))
+            self._stop(last_step, self._agreed_stop(stop), known=False)
         if self.is_logger():
             self.check_member()
             self._write_outcome("completed", last_step, None)

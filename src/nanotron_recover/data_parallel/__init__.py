@@ -1,0 +1,28 @@
+"""How gradients cross replicas: the data-parallel seam (see :mod:`.protocol`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..config import Config
+from .plain import PlainDataParallel
+from .protocol import DataParallelMode, ReducedStep, ReplicaParts
+
+
+def build_data_parallel(cfg: Config, run_dir: Path) -> DataParallelMode:
+    """The data-parallel mode the config asks for. The fault-tolerant one needs MPI started with the
+    heartbeat detector's parameters and the failure watch running (``train`` does that first thing,
+    before importing torch; a caller that did not is served here)."""
+    if cfg.recover.forward:
+        if "mpi4py.MPI" not in sys.modules:
+            from ..ft.heartbeat import start_mpi
+
+            start_mpi(cfg.recover.heartbeat_period_s, cfg.recover.heartbeat_timeout_s)
+        from ..recovery.transaction import ForwardRecovery
+
+        return ForwardRecovery(cfg, run_dir)
+    return PlainDataParallel(cfg, run_dir)
+
+
+__all__ = ["DataParallelMode", "PlainDataParallel", "ReducedStep", "ReplicaParts", "build_data_parallel"]

@@ -1,0 +1,157 @@
+"""PlainDataParallel: one torch world; the step's gradient is summed by a torch.distributed all-reduce.
+
+Data rank ``d`` computes the ``G`` consecutive ids from ``(s-1)*B + d*G`` of step ``s``; the flat
+gradient is all-reduced over the ranks holding the same slice of the model in every replica (NCCL
+on GPU, gloo on CPU). This is the fault-free reference the forward-recovery mode is compared with,
+and the mode the checkpoint-restart baseline runs in (a fault kills the job, the launcher relaunches
+it from the last checkpoint). Stops (a full disk) are agreed by one scalar all-reduce per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config, check_world_size
+from ..errors import StopRun
+from ..ft.faults import FaultInjector
+from ..parallel.context import ParallelContext
+from ..parallel.world import World, init_world
+from .protocol import ReducedStep, ReplicaParts
+
+# Stop kinds as codes for the plain mode's all-reduce (MAX: the most specific cause wins).
+_STOP_CODES = {kind: i + 1 for i, kind in enumerate(("too_few_replicas", "input", "io", "deterministic"))}
+
+
+class PlainDataParallel:
+    """One torch world; the DP all-reduce is a torch.distributed collective.
+
+    This is also the checkpoint-restart baseline (``recover.mode: checkpoint_restart``): injected
+    faults kill their rank here like in the fault-tolerant mode, the whole job dies with it, and
+    the launcher relaunches it from the last checkpoint (``restart.py``).
+    """
+
+    def __init__(self, cfg: Config, run_dir: Path | None = None):
+        self.cfg, self.run_dir = cfg, run_dir
+        self.injector: FaultInjector | None = None
+        self.pending_stop: StopRun | None = None
+
+    def setup_world(self) -> tuple[World, ParallelContext]:
+        world = init_world()
+        check_world_size(self.cfg, world.size)
+        p = self.cfg.parallelism
+        return world, ParallelContext.create(p.inner, p.pp, p.dp, world.device)
+
+    def attach(self, parts: ReplicaParts) -> None:
+        self.parts = parts
+        self.last_committed = 0
+        r = self.cfg.recover
+        if r.checkpoint_restart and self.run_dir is not None:
+            self.injector = FaultInjector(r, parts.world.rank, parts.ctx.dp_rank, self.run_dir)
+            parts.engine.event_hook = lambda kind, i: self.injector.maybe_fail(kind, i)
+
+    def my_ids(self, step: int) -> list[int]:
+        t = self.parts
+        first = (step - 1) * t.B + t.ctx.dp_rank * t.G
+        return list(range(first, first + t.G))
+
+    def reduced_gradients(self, step: int) -> ReducedStep:
+        t, ctx = self.parts, self.parts.ctx
+        ids = self.my_ids(step)
+        if self.injector is not None:
+            self.injector.begin_step(step, list(range(ctx.dp)))
+        source = t.data(step)
+        losses = t.engine.train_batch([source.get(i) for i in ids], loss_scale=1.0 / t.B)
+        if self.injector is not None:
+            self.injector.maybe_fail("reduce", 0)
+        if ctx.dp > 1:
+            dist.all_reduce(t.engine.grads_flat, group=ctx.dp_group)
+        # The loss lives on the last stage (its tp ranks hold the same value: count tp rank 0).
+        loss_sum = torch.zeros(1, dtype=torch.float64, device=t.world.device)
+        if t.engine.holds_loss:
+            loss_sum += sum(losses)
+        dist.all_reduce(loss_sum)
+        return ReducedStep(loss_sum.item() / t.B, self._gather_ids(ids), ctx.dp)
+
+    def _gather_ids(self, ids: list[int]) -> list[int]:
+        """The ids every data rank actually consumed this step (what ``ids_digest`` is computed on)."""
+        ctx = self.parts.ctx
+        if ctx.dp == 1:
+            return ids
+        mine = torch.tensor(ids, dtype=torch.int64, device=self.parts.world.device)
+        parts = [torch.empty_like(mine) for _ in range(ctx.dp)]
+        dist.all_gather(parts, mine, group=ctx.dp_group)
+        return torch.cat(parts).tolist()
+
+    def before_optimizer(self) -> None:
+        if self.injector is not None:
+            self.injector.maybe_fail("optimizer", 0)
+
+    def agree_startup(self, error: str | None) -> str | None:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return error
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        return next((e for e in errors if e is not None), None)
+
+    def local_phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def request_stop(self, stop: StopRun) -> None:
+        if self.pending_stop is None:
+            self.pending_stop = stop
+
+    def _agree_stop(self) -> None:
+        """Every rank stops together if any rank asked to (one scalar all-reduce)."""
+        mine = _STOP_CODES[self.pending_stop.kind] if self.pending_stop is not None else 0
+        code = torch.tensor([mine], dtype=torch.int64, device=self.parts.world.device)
+        if self.parts.world.size > 1:
+            dist.all_reduce(code, op=dist.ReduceOp.MAX)
+        if code.item():
+            kind = next(k for k, c in _STOP_CODES.items() if c == code.item())
+            if self.pending_stop is not None and self.pending_stop.kind == kind:
+                raise self.pending_stop
+            raise StopRun(kind, f"stop requested by another rank ({kind})")
+
+    def after_step(self, step: int) -> None:
+        self.last_committed = step
+        self._agree_stop()
+
+    def fault_point(self, phase: str) -> None:
+        if self.injector is not None:
+            self.injector.maybe_fail(phase, 0)
+
+    def finish(self, last_step: int, resave: Callable[[int], Any] | None = None) -> None:
+        self._agree_stop()
+        if self.parts.world.rank == 0 and self.run_dir is not None:
+            self.parts.write_outcome("completed", last_step, None)
+
+    def check_member(self) -> None:
+        pass
+
+    def is_logger(self) -> bool:
+        return self.parts.world.rank == 0
+
+    def is_checkpoint_writer(self) -> bool:
+        return True  # every rank takes part; data rank 0 writes the shards
+
+    def replica_id(self) -> int:
+        return self.parts.ctx.dp_rank
+
+    def abort(self, error: BaseException) -> None:
+        if isinstance(error, StopRun) and self.parts.world.rank == 0 and self.run_dir is not None:
+            self.parts.write_outcome("stopped", self.last_committed, error)
+        raise error
+
+    def close(self) -> None:
+        """Tear the torch world down in order, so no gloo thread is left alive at interpreter exit."""
+        if dist.is_initialized():
+            try:
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
