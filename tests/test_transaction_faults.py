@@ -186,27 +186,16 @@ def test_injected_freeze_is_a_hang_repaired_forward(tmp_path, plain, phase, micr
     assert "hung: open for" not in result.output, "no healthy rank may fire its watchdog for another's hang"
 
 
-def test_rank_frozen_from_outside(tmp_path, plain):
-    """The test freezes rank 2 at a moment of its choosing, mid-run."""
-    job = Job(tmp_path, W4 + recover())
-    pid = job.pid(2)
-    job.wait_until(lambda: job.committed() >= 3, "step 3")
-    os.kill(pid, signal.SIGSTOP)
-    result = job.finish()
-    assert_completed(result, tmp_path)
-    assert_same_curve(tmp_path, plain)
-    assert_replicas_identical(tmp_path, [0, 1, 3])
-    (incident,) = read_incidents(tmp_path)
-    assert incident["kind"] == "hang" and incident["hung_ranks"] == [2]
-    assert incident["detect_s"] is not None and incident["detect_method"] == "first_wait"
-    assert not process_exists(pid)
-
-
-def test_one_rank_of_a_tp2_replica_frozen_from_outside(tmp_path, plain):
-    """Freeze rank 5 (replica 2, tp 1): its tp peer learns it from the failure watch and leaves; the
-    three other replicas (six ranks) go on."""
-    job = Job(tmp_path, W4_TP2 + recover())
-    pid = job.pid(5)
+@pytest.mark.parametrize(
+    ("sets", "rank"),
+    [(W4, 2), (W4_TP2, 5)],
+    ids=["replica_of_one_rank", "one_rank_of_a_tp2_replica"],
+)
+def test_rank_frozen_from_outside(tmp_path, plain, sets, rank):
+    """The test freezes a rank of replica 2 at a moment of its choosing, mid-run. With tp=2 its tp
+    peer learns it from the failure watch and leaves; the other three replicas go on."""
+    job = Job(tmp_path, sets + recover())
+    pid = job.pid(rank)
     job.wait_until(lambda: job.committed() >= 3, "step 3")
     os.kill(pid, signal.SIGSTOP)
     result = job.finish()
@@ -215,6 +204,8 @@ def test_one_rank_of_a_tp2_replica_frozen_from_outside(tmp_path, plain):
     assert_replicas_identical(tmp_path, [0, 1, 3])
     (incident,) = read_incidents(tmp_path)
     assert incident["kind"] == "hang" and incident["failed_replicas"] == [2]
+    assert rank in incident["hung_ranks"]
+    assert incident["detect_s"] is not None and incident["detect_method"] == "first_wait"
     assert not process_exists(pid)
 
 

@@ -116,7 +116,7 @@ from typing import Any
 import numpy as np
 
 from .failstop import fail_stop
-from .processes import ProcessInfo, reap, this_process
+from .processes import ProcessInfo, reap, still_running, this_process
 from .topology import RankCoords, Topology
 from .world import AllReplicasFailed, FTError, RecoveryResult, StaleEpoch, WorldChanged
 
@@ -511,6 +511,11 @@ class FaultTolerantComm:
                 ok = 0
                 _revoke(new_global)  # wake survivors blocked in the derived splits
             self._hook("recover:split")
+            # Which failed ranks still run on this host (frozen, not crashed): looked at before the
+            # commit agree, so before any survivor kills them.
+            seen_running = {
+                r: still_running(self.processes[r]) for r in sorted(prev_ranks - set(alive_ranks))
+            }
 
             try:
                 committed = shrunk.Agree(ok) == 1
@@ -527,15 +532,14 @@ class FaultTolerantComm:
 
         survivors = [r for r in alive_ranks if self.topology.replica_of(r) in set(alive_replicas)]
         failed_ranks = sorted(prev_ranks - set(alive_ranks))
-        hung, unseen = [], []
+        hung = [r for r in failed_ranks if seen_running.get(r)]
+        unseen = [r for r in failed_ranks if seen_running.get(r, None) is None]
         if not leaving:
-            # Remove a failed rank that still runs here for good (see module docstring).
-            for r in failed_ranks:
-                running = reap(self.processes[r])
-                if running is None:
-                    unseen.append(r)
-                elif running:
-                    hung.append(r)
+            # Remove a failed rank that still runs here for good (see module docstring). Only after
+            # the commit: every survivor looked at it before the commit agree, so none of them
+            # mistakes a hung rank another survivor just killed for a crashed one.
+            for r in hung:
+                reap(self.processes[r])
         result = RecoveryResult(
             old_epoch=old_epoch,
             new_epoch=old_epoch + 1,
