@@ -820,8 +820,8 @@ def test_check_world_size_refuses_any_other_count(world_size: int):
             "of tokens.sequence_length tokens; set null",
         ),
         (
-            "kill_switch_path=/tmp/stop_training",
-            "kill_switch_path=/tmp/stop_training is not supported: training does not watch for a stop "
+            "kill_switch_path=runs/stop_training",
+            "kill_switch_path=runs/stop_training is not supported: training does not watch for a stop "
             "file; set null",
         ),
         (
