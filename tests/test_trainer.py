@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from curves import assert_same_curve
 from mpirun_utils import REPO, check, layout, run_cli
 
 from nanotron_recover.logging import read_metrics
@@ -42,13 +43,6 @@ def train(run_dir: Path, corpus: Path, overrides: list[str], extra_args: list[st
 def reference(tmp_path_factory, local_dataset) -> list[dict]:
     """tp=1, pp=1, dp=1 with G=8: B=8 micro-batches per step on one process."""
     return train(tmp_path_factory.mktemp("ref"), local_dataset.corpus_dir, layout(1, 1, 1, 8))
-
-
-def assert_same_curve(got: list[dict], want: list[dict], rel: float) -> None:
-    assert [r["step"] for r in got] == [r["step"] for r in want]
-    for g, w in zip(got, want, strict=True):
-        assert g["ids_digest"] == w["ids_digest"], f"step {g['step']} consumed other micro-batches"
-        assert g["loss"] == pytest.approx(w["loss"], rel=rel), f"step {g['step']}: {g['loss']} vs {w['loss']}"
 
 
 def test_reference_learns(reference):

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from curves import assert_replicas_identical, assert_same_curve
 from mpirun_utils import REPO, check, layout, run_cli
 
 from nanotron_recover.checkpoint import CheckpointReader
@@ -49,20 +50,8 @@ def recover(faults: list[dict], **extra) -> list[str]:
 def assert_equivalent(run_dir: Path, reference: list[dict], survivors: list[int]) -> list[dict]:
     got = read_metrics(run_dir)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    for g, w in zip(got, reference, strict=True):
-        assert g["ids_digest"] == w["ids_digest"], f"step {g['step']} consumed other micro-batches"
-        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5), (
-            f"step {g['step']}: {g['loss']} vs {w['loss']}"
-        )
-    digests: dict[tuple[str, str], set[str]] = {}
-    replicas_seen = set()
-    for f in (run_dir / "parameters").glob("replica*_pp*_tp*.sha256"):
-        replica, pp, tp = f.stem.split("_")
-        replicas_seen.add(int(replica.removeprefix("replica")))
-        digests.setdefault((pp, tp), set()).add(f.read_text().strip())
-    assert replicas_seen == set(survivors), "only the survivors finish, and all of them do"
-    for coord, values in digests.items():
-        assert len(values) == 1, f"surviving replicas differ at {coord}"
+    assert_same_curve(got, reference)
+    assert_replicas_identical(run_dir, survivors)
     return got
 
 

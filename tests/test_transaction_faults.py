@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from curves import assert_replicas_identical, assert_same_curve
 from mpirun_utils import REPO, Completed, check, layout, run_cli, single_rank_env
 
 from nanotron_recover.checkpoint import CheckpointReader
@@ -137,26 +138,9 @@ def plain(tmp_path_factory) -> list[dict]:
     return read_metrics(run_dir)
 
 
-def assert_same_curve(run_dir: Path, reference: list[dict], steps: int = STEPS) -> list[dict]:
-    got = read_metrics(run_dir)
-    assert [r["step"] for r in got] == list(range(1, steps + 1))
-    for g, w in zip(got, reference, strict=False):
-        assert g["ids_digest"] == w["ids_digest"], f"step {g['step']} consumed other micro-batches"
-        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5), (
-            f"step {g['step']}: {g['loss']} vs {w['loss']}"
-        )
-    return got
-
-
-def assert_replicas_identical(run_dir: Path, survivors: list[int]) -> None:
-    digests: dict[tuple[str, str], set[str]] = {}
-    seen = set()
-    for f in (run_dir / "parameters").glob("replica*_pp*_tp*.sha256"):
-        replica, pp, tp = f.stem.split("_")
-        seen.add(int(replica.removeprefix("replica")))
-        digests.setdefault((pp, tp), set()).add(f.read_text().strip())
-    assert seen == set(survivors)
-    assert all(len(v) == 1 for v in digests.values()), "surviving replicas differ"
+def assert_curve(run_dir: Path, reference: list[dict], steps: int = STEPS) -> None:
+    """The run committed steps 1..steps, each the reference's."""
+    assert_same_curve(read_metrics(run_dir), reference[:steps])
 
 
 def assert_completed(result: Completed, run_dir: Path) -> None:
@@ -175,7 +159,7 @@ def test_injected_freeze_is_a_hang_repaired_forward(tmp_path, plain, phase, micr
     freeze = {"step": 4, "replica": 2, "phase": phase, "microbatch": microbatch, "kind": "freeze"}
     result = launch(tmp_path, W4 + recover([freeze]))
     assert_completed(result, tmp_path)
-    assert_same_curve(tmp_path, plain)
+    assert_curve(tmp_path, plain)
     assert_replicas_identical(tmp_path, [0, 1, 3])
     (incident,) = read_incidents(tmp_path)
     assert incident["kind"] == "hang" and incident["failed_replicas"] == [2]
@@ -200,7 +184,7 @@ def test_rank_frozen_from_outside(tmp_path, plain, sets, rank):
     os.kill(pid, signal.SIGSTOP)
     result = job.finish()
     assert_completed(result, tmp_path)
-    assert_same_curve(tmp_path, plain)
+    assert_curve(tmp_path, plain)
     assert_replicas_identical(tmp_path, [0, 1, 3])
     (incident,) = read_incidents(tmp_path)
     assert incident["kind"] == "hang" and incident["failed_replicas"] == [2]
@@ -224,7 +208,7 @@ def test_writer_rank_killed_during_a_save(tmp_path, plain):
     fault = {"step": 4, "rank": 1, "phase": "save"}
     result = launch(tmp_path, W4_TP2 + recover([fault]) + ["checkpoints.checkpoint_interval=2"])
     assert_completed(result, tmp_path)
-    assert_same_curve(tmp_path, plain)
+    assert_curve(tmp_path, plain)
     assert_replicas_identical(tmp_path, [1, 2, 3])
     assert_latest_checkpoint_sound(tmp_path, STEPS)
     (incident,) = read_incidents(tmp_path)
@@ -241,7 +225,7 @@ def test_writer_rank_killed_from_outside_while_saving(tmp_path, plain):
     os.kill(pid, signal.SIGKILL)
     result = job.finish()
     assert_completed(result, tmp_path)
-    assert_same_curve(tmp_path, plain)
+    assert_curve(tmp_path, plain)
     assert_replicas_identical(tmp_path, [1, 2, 3])
     assert_latest_checkpoint_sound(tmp_path, STEPS)
 
@@ -300,14 +284,14 @@ def test_deterministic_error_stops_once_naming_the_microbatch(tmp_path, plain):
     assert outcome["kind"] == "deterministic" and outcome["last_step"] == 2
     lost = {r for i in read_incidents(tmp_path) for r in i["failed_replicas"]}
     assert len(lost) <= 2, "not a cascade: at most the two replicas that met the error"
-    assert_same_curve(tmp_path, plain, steps=2)
+    assert_curve(tmp_path, plain, steps=2)
 
 
 def test_transient_error_is_repaired_forward(tmp_path, plain):
     fault = {"step": 3, "kind": "error", "id": 17}
     result = launch(tmp_path, W4 + recover([fault]))
     assert_completed(result, tmp_path)
-    assert_same_curve(tmp_path, plain)
+    assert_curve(tmp_path, plain)
     (incident,) = read_incidents(tmp_path)
     assert incident["kind"] == "error" and incident["step"] == 3
 

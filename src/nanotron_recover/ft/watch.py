@@ -45,11 +45,6 @@ class FailureWatch:
         self._thread = threading.Thread(target=self._run, name="ft-failure-watch", daemon=True)
         self._thread.start()
 
-    @property
-    def known_failed(self) -> set[int]:
-        """Initial ranks this watch has seen fail."""
-        return set(self._known)
-
     def subscribe(self, on_failure: Callable[[list[int], float], None]) -> None:
         """Call ``on_failure(newly failed initial ranks, wall time)`` for every failure seen from now on."""
         self._subscribers.append(on_failure)

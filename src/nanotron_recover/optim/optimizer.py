@@ -22,6 +22,22 @@ from ..parallel.sharding import ParamSpec
 from .grad_buffer import GradBuffer
 
 
+def build_adamw(params: list[torch.Tensor], args: OptimizerArgs) -> torch.optim.AdamW:
+    """AdamW with the config's betas, eps and weight decay over fp32 master ``params`` (both engines)."""
+    f = args.optimizer_factory
+    fused = f.torch_adam_is_fused and all(p.is_cuda for p in params)
+    return torch.optim.AdamW(
+        params,
+        lr=args.learning_rate_scheduler.learning_rate,
+        betas=(f.adam_beta1, f.adam_beta2),
+        eps=f.adam_eps,
+        weight_decay=args.weight_decay,
+        # Fused kernels exist for CUDA tensors only; elsewhere the plain per-parameter loop.
+        foreach=False if not fused else None,
+        fused=fused,
+    )
+
+
 class MasterOptimizer:
     def __init__(
         self,
@@ -35,18 +51,7 @@ class MasterOptimizer:
         for name, p in named_params:
             # fp32 parameters are their own master: the model is updated in place.
             self.master[name] = p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_()
-        f = args.optimizer_factory
-        fused = f.torch_adam_is_fused and all(m.is_cuda for m in self.master.values())
-        self.torch_opt = torch.optim.AdamW(
-            list(self.master.values()),
-            lr=args.learning_rate_scheduler.learning_rate,
-            betas=(f.adam_beta1, f.adam_beta2),
-            eps=f.adam_eps,
-            weight_decay=args.weight_decay,
-            # Fused kernels exist for CUDA tensors only; elsewhere the plain per-parameter loop.
-            foreach=False if not fused else None,
-            fused=fused,
-        )
+        self.torch_opt = build_adamw(list(self.master.values()), args)
 
     @torch.no_grad()
     def step(self, lr: float) -> None:

@@ -79,6 +79,7 @@ from ..data_parallel.protocol import ReducedStep, ReplicaParts
 from ..errors import STOP_KINDS, StopRun
 from ..ft.failstop import Watchdog, fail_stop
 from ..ft.faults import FaultInjector
+from ..ft.records import STOP_KINDS as RECORD_STOP_KINDS
 from ..ft.records import read_records, write_record
 from ..ft.replica_world import init_replica_world
 from ..ft.world import AllReplicasFailed, RecoveryResult, WorldChanged
@@ -93,8 +94,6 @@ from .buckets import BucketedReduction
 STOP_BITS = {kind: 1 << i for i, kind in enumerate(sorted(STOP_KINDS))}
 # Which kind wins when several stops are agreed at once (the most specific cause first).
 STOP_ORDER = ("deterministic", "io", "input", "too_few_replicas")
-# Failure-record kinds that stop the job instead of being repaired forward.
-RECORD_STOP_KINDS = ("deterministic", "io")
 # Incident kind from the kinds of the records (and the unrecorded failures) of one recovery.
 KIND_PRIORITY = ("deterministic", "io", "oom", "error", "hang", "crash", "peer_error")
 

@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from ...config import LlamaConfig, OptimizerArgs
 from ...models.llama import LlamaStage, RotaryEmbedding, name_seed
+from ...optim.optimizer import build_adamw
 
 OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
 # all_gather_into_tensor was renamed all_gather_single (the old name warns from torch 2.13 on).
@@ -160,17 +161,7 @@ class HSDPEngine:
             param.grad = grad
             self._grads[name] = grad
 
-        f = optimizer_cfg.optimizer_factory
-        fused = f.torch_adam_is_fused and self.device.type == "cuda"
-        self.torch_opt = torch.optim.AdamW(
-            list(self.masters.values()),
-            lr=optimizer_cfg.learning_rate_scheduler.learning_rate,
-            betas=(f.adam_beta1, f.adam_beta2),
-            eps=f.adam_eps,
-            weight_decay=optimizer_cfg.weight_decay,
-            foreach=False if not fused else None,
-            fused=fused,
-        )
+        self.torch_opt = build_adamw(list(self.masters.values()), optimizer_cfg)
         if init_std is not None:
             self.init_weights(init_std, seed)
 
