@@ -13,6 +13,7 @@ from nanotron_recover.config import (
     Config,
     ConfigError,
     HFDatasetArgs,
+    RejoinArgs,
     TokenizedDatasetArgs,
     apply_override,
     check_world_size,
@@ -23,6 +24,7 @@ from nanotron_recover.config import (
 )
 from nanotron_recover.config.loader import load_yaml
 from nanotron_recover.config.validate import FIXED_FIELDS
+from nanotron_recover.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_cpu.yaml"
@@ -681,6 +683,130 @@ def test_recover_enabled_with_faults_validates():
 def test_recover_mode_properties(overrides: list[str], forward: bool, checkpoint_restart: bool):
     recover = tiny(*overrides).recover
     assert (recover.forward, recover.checkpoint_restart) == (forward, checkpoint_restart)
+
+
+# -- recover.rejoin ------------------------------------------------------------------------------
+SPAWN = "recover.rejoin.mode=spawn"
+
+
+def test_rejoin_defaults_load():
+    rejoin = tiny().recover.rejoin
+    assert rejoin == RejoinArgs()
+    assert (rejoin.mode, rejoin.after_steps, rejoin.max_spawns, rejoin.max_failures_per_replica) == (
+        "off",
+        1,
+        16,
+        3,
+    )
+    assert rejoin.hosts == [] and rejoin.hostfile is None
+
+
+def test_a_full_rejoin_section_loads_from_yaml(tmp_path: Path):
+    data = load_yaml(TINY)
+    data["recover"] = {
+        "enabled": True,
+        "mode": "forward",
+        "rejoin": {
+            "mode": "spawn",
+            "after_steps": 0,
+            "max_spawns": 4,
+            "max_failures_per_replica": 1,
+            "hosts": ["node7", "node8:4"],
+        },
+    }
+    cfg = load_config(write(tmp_path, yaml.safe_dump(data)))
+    assert cfg.recover.rejoin == RejoinArgs(
+        mode="spawn", after_steps=0, max_spawns=4, max_failures_per_replica=1, hosts=["node7", "node8:4"]
+    )
+    assert load_config(write(tmp_path, dump_config(cfg), "dumped.yaml")) == cfg
+
+
+def test_a_rejoin_hostfile_that_exists_loads(tmp_path: Path):
+    hostfile = tmp_path / "spares.txt"
+    hostfile.write_text("node7 slots=8\n")
+    cfg = tiny(RECOVER_ON, SPAWN, f"recover.rejoin.hostfile={hostfile}")
+    assert cfg.recover.rejoin.hostfile == str(hostfile) and cfg.recover.rejoin.hosts == []
+
+
+def test_unknown_key_in_the_rejoin_section_is_named():
+    message = tiny_error(RECOVER_ON, "recover.rejoin.max_spawn=3")
+    assert message.startswith("unknown key 'max_spawn' in section 'recover.rejoin' (allowed: ")
+    assert "max_spawns" in message
+
+
+def test_a_bare_yaml_off_means_off():
+    """YAML 1.1 reads an unquoted ``off`` as false: it still selects the "off" choice."""
+    cfg = tiny(RECOVER_ON, "recover.rejoin.mode=off", "recover.spares=off")
+    assert (cfg.recover.rejoin.mode, cfg.recover.spares) == ("off", "off")
+
+
+def test_rejoin_mode_is_a_literal_choice():
+    assert tiny_error(RECOVER_ON, "recover.rejoin.mode=grow") == (
+        "recover.rejoin.mode: must be one of 'off', 'spawn', got 'grow'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["recover.rejoin.after_steps=-1"],
+            "recover.rejoin.after_steps must be >= 0, got -1",
+        ),
+        (
+            ["recover.rejoin.max_spawns=0"],
+            "recover.rejoin.max_spawns must be >= 1, got 0: to never spawn set recover.rejoin.mode: off",
+        ),
+        (
+            ["recover.rejoin.max_failures_per_replica=0"],
+            "recover.rejoin.max_failures_per_replica must be >= 1, got 0",
+        ),
+        (
+            [RECOVER_ON, SPAWN, "recover.rejoin.hosts=[node7]", "recover.rejoin.hostfile=spares.txt"],
+            "recover.rejoin: set hosts or hostfile, not both (neither: any free slot mpirun knows of)",
+        ),
+        (
+            [RECOVER_ON, SPAWN, "recover.rejoin.hosts=[node7, 'node8:0']"],
+            "recover.rejoin.hosts[1] 'node8:0' is not a host: write a name or name:slots, e.g. node7 or node7:4",
+        ),
+        (
+            [RECOVER_ON, SPAWN, "recover.rejoin.hosts=['node7 node8']"],
+            "recover.rejoin.hosts[0] 'node7 node8' is not a host",
+        ),
+        (
+            [SPAWN],
+            "recover.rejoin.mode: spawn needs recover.enabled: true (re-join grows back a job that recovers "
+            "forward); set recover.enabled: true or recover.rejoin.mode: off",
+        ),
+        (
+            [*RESTART, SPAWN],
+            "recover.rejoin.mode: spawn cannot be used with recover.mode: checkpoint_restart: a relaunch "
+            "already restores full width; set recover.mode: forward or recover.rejoin.mode: off",
+        ),
+    ],
+)
+def test_rejoin_rule_message(overrides: list[str], message: str):
+    got = tiny_error(*overrides)
+    assert "\n" not in got
+    assert got.startswith(message)
+
+
+def test_a_missing_rejoin_hostfile_is_named(tmp_path: Path):
+    missing = tmp_path / "spares.txt"
+    assert tiny_error(RECOVER_ON, SPAWN, f"recover.rejoin.hostfile={missing}") == (
+        f"recover.rejoin.hostfile {str(missing)!r} does not exist: write it or fix the path"
+    )
+    assert tiny_error(RECOVER_ON, SPAWN, f"recover.rejoin.hostfile={tmp_path}") == (
+        f"recover.rejoin.hostfile {str(tmp_path)!r} is not a file"
+    )
+    # Like dataset folders, it is checked only where the job's files are expected (not by a dry run).
+    cfg = tiny(RECOVER_ON, SPAWN, f"recover.rejoin.hostfile={missing}", check_paths=False)
+    assert cfg.recover.rejoin.hostfile == str(missing)
+
+
+def test_a_missing_rejoin_hostfile_is_an_input_error(tmp_path: Path):
+    with pytest.raises(InputError, match="recover.rejoin.hostfile"):
+        tiny(RECOVER_ON, SPAWN, f"recover.rejoin.hostfile={tmp_path / 'nope'}")
 
 
 def test_init_from_a_checkpoint_path_alone_is_valid():

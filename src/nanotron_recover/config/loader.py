@@ -87,6 +87,8 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         return {_convert(k, key_tp, where): _convert(v, val_tp, f"{where}.{k}") for k, v in value.items()}
     if origin is typing.Literal:
         allowed = typing.get_args(tp)
+        if value is False and "off" in allowed:
+            value = "off"  # YAML 1.1 reads a bare `off` as false
         if value not in allowed:
             raise ConfigError(f"{where}: must be one of {', '.join(map(repr, allowed))}, got {value!r}")
         return value

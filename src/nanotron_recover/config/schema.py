@@ -211,7 +211,7 @@ class TokenizerArgs:
     tokenizer_max_length: int | None = None
 
 
-Phase = Literal["forward", "backward", "gate", "reduce", "agree", "optimizer", "recovery", "save"]
+Phase = Literal["forward", "backward", "gate", "reduce", "agree", "optimizer", "recovery", "save", "rejoin"]
 
 
 @dataclass
@@ -222,7 +222,9 @@ class FaultSpec:
     SIGSTOPs it instead (how a hung GPU or a stuck collective looks from outside). ``microbatch`` is
     the index, within what the victim computes in that phase, of the micro-batch
     (forward/backward/recovery) or bucket (reduce) before which it fires; ``phase: save`` fires while
-    the victim writes its checkpoint files.
+    the victim writes its checkpoint files; ``phase: rejoin`` fires in the re-join at the boundary
+    after ``step``: ``microbatch: 0`` before the spawn (a member), ``1`` mid-transfer (the donor
+    after sending the layout, or the spawned process taking ``rank``'s place after receiving it).
 
     ``kind: error`` raises an exception in whichever replica computes the micro-batch ``id`` (a
     global micro-batch id) of ``step``; ``persistent: true`` raises it every time (a deterministic
@@ -247,6 +249,26 @@ class RandomFaults:
     every_steps: int
     seed: int = 0
     until_replicas: int = 1
+
+
+@dataclass
+class RejoinArgs:
+    """Growing back to full width after a replica is lost (see docs/architecture.md, "Re-join")."""
+
+    # off: a job only shrinks. spawn: at a step boundary the survivors spawn processes for the dead
+    # ranks of a lost replica (MPI_Comm_spawn), its surviving ranks are reused, and the replica's
+    # state is copied from a healthy replica.
+    mode: Literal["off", "spawn"] = "off"
+    # Re-join at the first step boundary at least this many committed steps after the failure.
+    after_steps: int = 1
+    # Spawn attempts over the whole run (a failed attempt counts); then the job stays at its width.
+    max_spawns: int = 16
+    # A replica lost this many times is not re-spawned again.
+    max_failures_per_replica: int = 3
+    # Where spawned processes go: hosts ("node7" or "node7:4" slots) or a hostfile; neither: any
+    # free slot mpirun knows of (on Slurm, the spare nodes of `nanotron-recover slurm --spare-nodes`).
+    hosts: list[str] = field(default_factory=list)
+    hostfile: str | None = None
 
 
 @dataclass
@@ -282,6 +304,8 @@ class RecoverArgs:
     gate_timeout_s: float = 120.0
     faults: list[FaultSpec] = field(default_factory=list)
     random_faults: RandomFaults | None = None
+    # Growing back to full width after a replica is lost (forward recovery only).
+    rejoin: RejoinArgs = field(default_factory=RejoinArgs)
 
     @property
     def forward(self) -> bool:

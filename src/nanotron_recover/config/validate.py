@@ -12,6 +12,7 @@ field, the value given, the value that runs and why (:data:`FIXED_FIELDS`), neve
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -122,7 +123,7 @@ def validate_config(cfg: Config, check_paths: bool = True) -> None:
         raise ConfigError(
             f"optimizer.zero_stage={cfg.optimizer.zero_stage} is not supported: set optimizer.zero_stage: 0"
         )
-    _validate_recover(cfg)
+    _validate_recover(cfg, check_paths)
     if cfg.checkpoints.checkpoint_interval < 0:
         raise ConfigError("checkpoints.checkpoint_interval must be >= 0 (0 disables periodic checkpoints)")
     if not cfg.data_stages:
@@ -407,7 +408,7 @@ def _validate_optimizer(cfg: Config) -> None:
         raise ConfigError(f"optimizer.optimizer_factory.adam_eps must be > 0, got {factory.adam_eps}")
 
 
-def _validate_recover(cfg: Config) -> None:
+def _validate_recover(cfg: Config, check_paths: bool = True) -> None:
     r, dp = cfg.recover, cfg.parallelism.dp
     if r.bucket_size_mb <= 0:
         raise ConfigError(f"recover.bucket_size_mb must be > 0, got {r.bucket_size_mb}")
@@ -456,6 +457,51 @@ def _validate_recover(cfg: Config) -> None:
             raise ConfigError("recover.max_restarts must be >= 0")
     if (r.faults or rf is not None) and not r.enabled:
         raise ConfigError("recover.faults / recover.random_faults need recover.enabled: true")
+    _validate_rejoin(cfg, check_paths)
+
+
+# A host of recover.rejoin.hosts: a name, optionally with a slot count ("node7", "node7:4").
+_REJOIN_HOST = re.compile(r"[^\s:,]+(:[1-9][0-9]*)?")
+
+
+def _validate_rejoin(cfg: Config, check_paths: bool) -> None:
+    """``recover.rejoin``: its ranges, where spawned processes go, and the modes it works with."""
+    j, where = cfg.recover.rejoin, "recover.rejoin"
+    if j.after_steps < 0:
+        raise ConfigError(f"{where}.after_steps must be >= 0, got {j.after_steps}")
+    if j.max_spawns < 1:
+        raise ConfigError(
+            f"{where}.max_spawns must be >= 1, got {j.max_spawns}: to never spawn set {where}.mode: off"
+        )
+    if j.max_failures_per_replica < 1:
+        raise ConfigError(f"{where}.max_failures_per_replica must be >= 1, got {j.max_failures_per_replica}")
+    if j.hosts and j.hostfile is not None:
+        raise ConfigError(
+            f"{where}: set hosts or hostfile, not both (neither: any free slot mpirun knows of)"
+        )
+    for i, host in enumerate(j.hosts):
+        if not _REJOIN_HOST.fullmatch(host):
+            raise ConfigError(
+                f"{where}.hosts[{i}] {host!r} is not a host: write a name or name:slots, e.g. node7 or node7:4"
+            )
+    if j.mode == "spawn":
+        r = cfg.recover
+        if not r.enabled:
+            raise ConfigError(
+                f"{where}.mode: spawn needs recover.enabled: true (re-join grows back a job that recovers "
+                "forward); set recover.enabled: true or recover.rejoin.mode: off"
+            )
+        if r.mode != "forward":
+            raise ConfigError(
+                f"{where}.mode: spawn cannot be used with recover.mode: {r.mode}: a relaunch already "
+                "restores full width; set recover.mode: forward or recover.rejoin.mode: off"
+            )
+    if check_paths and j.hostfile is not None:
+        path = Path(j.hostfile)
+        if not path.exists():
+            raise ConfigError(f"{where}.hostfile {j.hostfile!r} does not exist: write it or fix the path")
+        if not path.is_file():
+            raise ConfigError(f"{where}.hostfile {j.hostfile!r} is not a file")
 
 
 def _validate_fault(cfg: Config, f: FaultSpec, where: str) -> None:
