@@ -11,13 +11,19 @@ project's GradBuffer, clip_grad_norm_ and MasterOptimizer on the same micro-batc
   a micro-batch count the shard count does not divide;
 - full states round-trip between engines, a tp=1 stage, and checkpoints of both;
 - two engines standing for two replicas, their gradient shards summed, equal one engine over all
-  the micro-batches.
+  the micro-batches;
+- live state transfer through the ``ModelEngine`` wrapper (``HSDPModelEngine.export_state`` /
+  ``import_state``, what a re-joining replica's shard rank receives from the same shard rank of a
+  healthy replica): a freshly built engine imports a trained one's local shards (after a trip
+  through raw bytes, as over MPI) and the two then take the same steps with ``==`` losses, norms,
+  digests and full states; fp32, and bf16 with tied embeddings and uneven shards.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
+import pickle
 import time
 import traceback
 from pathlib import Path
@@ -26,12 +32,24 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_world import run_world
 
 from nanotron_recover.checkpoint import CheckpointReader, save_checkpoint
-from nanotron_recover.config import Config, LlamaConfig, LRSchedulerArgs, ModelArgs, OptimizerArgs
+from nanotron_recover.config import (
+    Config,
+    GeneralArgs,
+    LlamaConfig,
+    LRSchedulerArgs,
+    ModelArgs,
+    OptimizerArgs,
+    ParallelismArgs,
+)
 from nanotron_recover.config.schema import OptimizerFactory
+from nanotron_recover.engines.hsdp import HSDPModelEngine
+from nanotron_recover.engines.state import EngineState
 from nanotron_recover.models.llama import LlamaStage, count_parameters
 from nanotron_recover.optim import GradBuffer, MasterOptimizer, clip_grad_norm_
+from nanotron_recover.parallel.context import ParallelContext
 from nanotron_recover.parallel.hsdp import (
     HSDPEngine,
     dim0_block,
@@ -41,6 +59,7 @@ from nanotron_recover.parallel.hsdp import (
     save_hsdp_checkpoint,
     stage_full_state,
 )
+from nanotron_recover.parallel.world import World
 
 pytestmark = pytest.mark.mpi  # spawns gloo worlds
 
@@ -517,3 +536,151 @@ def test_memory_estimate():
 def test_memory_estimate_matches_engine_shards(world):
     assert world[0]["grads_numel"] == hsdp_memory_per_rank(CFG, SHARD).shard_parameters
     assert world[0]["tied_numel"] == hsdp_memory_per_rank(TIED, SHARD).shard_parameters
+
+
+# -- live state transfer: HSDPModelEngine.export_state / import_state ---------------------------------
+
+
+def through_bytes(state: EngineState) -> EngineState:
+    """The state as a receiver rebuilds it from what crosses MPI: the layout and meta pickled, then
+    every tensor's raw bytes (``tensor.view(torch.uint8)``) copied into ``empty_like`` buffers."""
+    layout, meta = pickle.loads(pickle.dumps((state.layout(), state.meta)))
+    got = EngineState.empty_like(layout, meta)
+    sent = 0
+    for name, t in state.tensors.items():
+        if t.numel() == 0:
+            continue  # nothing to send (state_transfer skips them too)
+        wire = t.view(torch.uint8).reshape(-1).numpy().tobytes()
+        sent += len(wire)
+        got.tensors[name].view(torch.uint8).reshape(-1).copy_(
+            torch.frombuffer(bytearray(wire), dtype=torch.uint8)
+        )
+    assert sent == state.nbytes() == got.nbytes()
+    return got
+
+
+def _bitwise(a: EngineState, b: EngineState) -> bool:
+    return (
+        a.layout() == b.layout()
+        and a.meta == b.meta
+        and all(
+            torch.equal(a.tensors[n].view(torch.uint8), t.view(torch.uint8)) for n, t in b.tensors.items()
+        )
+    )
+
+
+def _model_engine(rank: int, mcfg: LlamaConfig, dtype: str, seed: int) -> HSDPModelEngine:
+    cfg = Config(
+        model=ModelArgs(model_config=mcfg, dtype=dtype),
+        parallelism=ParallelismArgs(dp_shard=SHARD),
+        optimizer=OPT,
+        general=GeneralArgs(seed=seed),
+    )
+    world = World(rank=rank, size=SHARD, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    return HSDPModelEngine(cfg, world, _TRANSFER_CTX[0])
+
+
+_TRANSFER_CTX: list[ParallelContext] = []  # the shard ranks' context, made once per world
+
+
+def _model_step(engine: HSDPModelEngine, k: int, vocab: int) -> tuple[list[float], float]:
+    return engine.train_batch(microbatches(k, 3, vocab), 1.0 / 3), engine.optimizer_step(LRS[k])
+
+
+def _transfer_worker(rank: int, world_size: int) -> dict:
+    _TRANSFER_CTX[:] = [ParallelContext.create(world_size, 1, 1, torch.device("cpu"))]  # shard group
+    out: dict = {}
+    for name, mcfg, dtype, receiver in (
+        ("fp32", CFG, "float32", "fresh"),
+        ("bf16_tied", TIED, "bfloat16", "trained"),
+    ):
+        donor = _model_engine(rank, mcfg, dtype, SEED)
+        joiner = _model_engine(rank, mcfg, dtype, SEED + 1)  # another init
+        for k in range(2):
+            _model_step(donor, k, mcfg.vocab_size)
+        if receiver == "trained":
+            # Optimizer state of its own (overwritten in place) and a gradient left in the buffer.
+            _model_step(joiner, 3, mcfg.vocab_size)
+            joiner.train_batch(microbatches(4, 2, mcfg.vocab_size), 1.0)
+        before = {"digest": joiner.parameter_digest(), "grad": bool(joiner.grads_flat.any())}
+        storage = {n: m.data_ptr() for n, m in joiner.engine.masters.items()}
+        flat = joiner.grads_flat.data_ptr()
+        state = donor.export_state()
+        # The other shard rank's state: the same names, refused.
+        states: list = [None] * world_size
+        dist.all_gather_object(states, state)
+        try:
+            joiner.import_state(states[1 - rank])
+            refused = False
+        except ValueError:
+            refused = True
+        joiner.import_state(through_bytes(state))
+        imported = joiner.export_state()
+        after = {
+            "grad_zero": not joiner.grads_flat.any(),
+            "in_place": storage == {n: m.data_ptr() for n, m in joiner.engine.masters.items()}
+            and joiner.grads_flat.data_ptr() == flat
+            and joiner.grads_flat is joiner.engine.grads_flat,
+            "steps": (donor.engine.step_count(), joiner.engine.step_count()),
+        }
+        runs: dict = {"donor": [], "joiner": []}
+        for k in range(2, 4):
+            for who, engine in (("donor", donor), ("joiner", joiner)):
+                runs[who].append(_model_step(engine, k, mcfg.vocab_size))
+        out[name] = {
+            "before": before,
+            "after": after,
+            "refused": refused,
+            "imported_equal": _bitwise(imported, state),
+            "continued_equal": _bitwise(joiner.export_state(), donor.export_state()),
+            "layout": state.layout(),
+            "meta": {k: v for k, v in state.meta.items() if k != "rng"},
+            "runs": runs,
+            "digests": (donor.parameter_digest(), joiner.parameter_digest()),
+            "full": (donor.engine.full_state(), joiner.engine.full_state()),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def transfer(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_world(_transfer_worker, SHARD, tmp_path_factory.mktemp("transfer"), timeout_s=120)
+
+
+@pytest.mark.parametrize("case", ["fp32", "bf16_tied"])
+def test_import_state_continues_bitwise(transfer, case):
+    for rank in range(SHARD):
+        got = transfer[rank][case]
+        assert got["before"]["digest"] != got["digests"][0], "the joiner must start from another model"
+        assert got["refused"], "the other shard rank's state was accepted"
+        assert got["imported_equal"]
+        assert got["after"]["in_place"] and got["after"]["grad_zero"]
+        assert got["after"]["steps"] == (2, 2)
+        assert got["runs"]["donor"] == got["runs"]["joiner"]
+        assert got["digests"][0] == got["digests"][1]
+        assert got["continued_equal"]
+        donor, joiner = got["full"]
+        assert sorted(donor) == sorted(joiner)
+        for key, value in donor.items():
+            assert torch.equal(joiner[key], value), key
+    assert transfer[0]["bf16_tied"]["before"]["grad"], "the trained joiner had a gradient to drop"
+
+
+def test_export_state_holds_local_shards(transfer):
+    """``param/<name>`` is this rank's fp32 shard (the master), the moments beside it; no gathering."""
+    for case, mcfg in (("fp32", CFG), ("bf16_tied", TIED)):
+        specs = LlamaStage(mcfg, device="meta").specs
+        for rank in range(SHARD):
+            layout = transfer[rank][case]["layout"]
+            assert {n.split("/", 1)[0] for n, _, _ in layout} == {"param", "exp_avg", "exp_avg_sq"}
+            for name, shape, dtype in layout:
+                full = specs[name.split("/", 1)[1]].full_shape
+                start, stop = dim0_block(full[0], SHARD, rank)
+                assert shape == (stop - start, *full[1:]) and dtype == "float32", name
+            meta = transfer[rank][case]["meta"]
+            assert meta["engine"] == "hsdp" and meta["coordinate"] == f"pp0_tp{rank}"
+            assert set(meta["optimizer"]["steps"].values()) == {2.0}
+    # Uneven shards: a vocabulary of 127 rows is 64 + 63.
+    rows = [dict((n, s) for n, s, _ in transfer[r]["bf16_tied"]["layout"]) for r in range(SHARD)]
+    assert rows[0]["param/model.embed_tokens.weight"][0] == 64
+    assert rows[1]["param/model.embed_tokens.weight"][0] == 63

@@ -11,7 +11,10 @@ restores), and after the sum, take the optimizer step. Two engines implement it:
   (parameters, gradients and optimizer state sharded inside the replica).
 
 Across replicas both are the same to the data-parallel mode: rank ``k`` of every replica holds the
-same slice of the model, so the replicas' flat gradients are summed slice by slice.
+same slice of the model, so the replicas' flat gradients are summed slice by slice. For the same
+reason a re-joining replica can take its state rank by rank from a healthy one:
+:meth:`ModelEngine.export_state` on the donor, :meth:`ModelEngine.import_state` on the joiner at the
+same ``(pp, tp)`` coordinate (:class:`~.state.EngineState`), and the two continue bitwise alike.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from .state import EngineState
 
 if TYPE_CHECKING:
     from ..checkpoint import CheckpointReader, PendingSave
@@ -50,6 +55,16 @@ class ModelEngine(Protocol):
     ) -> Path | PendingSave: ...
     def load(self, reader: CheckpointReader, load_optimizer: bool) -> None: ...
     def parameter_digest(self) -> str: ...
+    def export_state(self) -> EngineState:
+        """This rank's complete training state (weights, fp32 masters, AdamW moments and step counts,
+        RNG states) as CPU copies, for the rank at the same coordinate of a re-joining replica. Local
+        (not collective); call at a step boundary; the engine is not modified."""
+
+    def import_state(self, state: EngineState) -> None:
+        """Load a donor's :meth:`export_state` in place (the optimizer's and the gradient buffer's
+        references stay valid) and zero the gradient buffer; the next steps then run bitwise like the
+        donor's. Refuses (``ValueError``, nothing changed) a state of another coordinate or layout."""
+
     def close(self) -> None: ...
 
 
@@ -64,4 +79,4 @@ def build_model_engine(cfg: Config, world: World, ctx: ParallelContext) -> Model
     return ThreeDEngine(cfg, world, ctx)
 
 
-__all__ = ["ModelEngine", "build_model_engine"]
+__all__ = ["EngineState", "ModelEngine", "build_model_engine"]

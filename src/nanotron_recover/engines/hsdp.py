@@ -22,6 +22,18 @@ from ..config import Config
 from ..parallel.context import ParallelContext
 from ..parallel.hsdp import HSDPEngine, load_hsdp_checkpoint, save_hsdp_checkpoint
 from ..parallel.world import World
+from .state import (
+    EngineState,
+    check_layout,
+    check_optimizer_meta,
+    cpu_copy,
+    dtype_name,
+    export_optimizer,
+    import_optimizer,
+    optimizer_layout,
+    rng_state,
+    set_rng_state,
+)
 from .three_d import DTYPES
 
 
@@ -73,6 +85,65 @@ class HSDPModelEngine:
 
     def load(self, reader: CheckpointReader, load_optimizer: bool) -> None:
         load_hsdp_checkpoint(reader, self.engine, load_optimizer=load_optimizer)
+
+    # -- live state transfer (re-join) ------------------------------------------------------------
+    # The sharded parameters are fp32 and are the AdamW masters (the model-dtype weights exist only
+    # while FSDP has them all-gathered), so ``param/<name>`` is this rank's fp32 local shard and there
+    # is no ``master/`` entry. Shard ``r`` of every replica holds the same rows: the layout (shard
+    # shapes, possibly uneven or empty) is the same on every replica at this coordinate.
+
+    def _state_layout(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """What :meth:`export_state` gives, without copying anything (to check a received state)."""
+        masters = self.engine.masters
+        layout = [(f"param/{n}", tuple(m.shape), dtype_name(m.dtype)) for n, m in masters.items()]
+        return layout + optimizer_layout(self.engine.torch_opt, masters)
+
+    def _state_meta(self) -> dict[str, object]:
+        """What identifies the state's coordinate: another shard rank's state may have the same shapes
+        and must still be refused."""
+        return {
+            "engine": "hsdp",
+            "coordinate": self.digest_name,
+            "shards": self.engine.shard,
+            "dtype": self.cfg.model.dtype,
+        }
+
+    @torch.no_grad()
+    def export_state(self) -> EngineState:
+        """This rank's fp32 parameter shards (the masters), AdamW moment shards, step counts and
+        hyper-parameters, and RNG states: CPU copies of the local tensors (``DTensor.to_local()``);
+        nothing is gathered and the engine is not modified. Not collective.
+
+        Call at a step boundary (after :meth:`optimizer_step`): the gradient shard is not sent."""
+        masters = self.engine.masters
+        tensors = {f"param/{n}": cpu_copy(m) for n, m in masters.items()}
+        opt_tensors, opt_meta = export_optimizer(self.engine.torch_opt, masters)
+        tensors.update(opt_tensors)
+        meta = {**self._state_meta(), "optimizer": opt_meta, "rng": rng_state(self.engine.device)}
+        return EngineState(tensors, meta)
+
+    @torch.no_grad()
+    def import_state(self, state: EngineState) -> None:
+        """Load :meth:`export_state`'s output from shard rank ``r`` of another replica into this shard
+        rank ``r``, in place: the local shards are the parameters' storage and the optimizer's keys,
+        and the gradient DTensors alias ``grads_flat``; all keep their identity. ``grads_flat`` is
+        zeroed (a step boundary). Everything is checked before anything changes. Not collective."""
+        for key, value in self._state_meta().items():
+            if state.meta.get(key) != value:
+                raise ValueError(
+                    f"engine state for {key}={state.meta.get(key)!r}, this rank is {key}={value!r}"
+                )
+        check_layout(state.layout(), self._state_layout())
+        masters = self.engine.masters
+        check_optimizer_meta(self.engine.torch_opt, masters, state.meta["optimizer"])
+        for n, m in masters.items():
+            m.copy_(state.tensors[f"param/{n}"])
+        import_optimizer(self.engine.torch_opt, masters, state.tensors, state.meta["optimizer"])
+        self.engine.zero_grad()
+        set_rng_state(state.meta["rng"], self.engine.device)
+        self.engine._check_storage()
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def parameter_digest(self) -> str:
         return self.engine.parameter_digest()

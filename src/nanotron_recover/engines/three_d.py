@@ -22,6 +22,18 @@ from ..optim import GradBuffer, MasterOptimizer, clip_grad_norm_
 from ..parallel.context import ParallelContext
 from ..parallel.pipeline_parallel import build_engine
 from ..parallel.world import World
+from .state import (
+    EngineState,
+    check_layout,
+    check_optimizer_meta,
+    cpu_copy,
+    dtype_name,
+    export_optimizer,
+    import_optimizer,
+    optimizer_layout,
+    rng_state,
+    set_rng_state,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,6 +60,7 @@ class ThreeDEngine:
         self.grads_flat = self.grads.flat
         self.optimizer = MasterOptimizer(named, self.grads, cfg.optimizer)
         self.pipeline = build_engine(p.pp_engine, self.stage, ctx, t.micro_batch_size, t.sequence_length)
+        self.device = world.device
         self.cuda = world.device.type == "cuda"
 
     @property
@@ -110,6 +123,66 @@ class ThreeDEngine:
         reader.load_model(self.stage)
         if load_optimizer:
             self.optimizer.load_state_tensors(reader.load_optimizer_state(self.stage), reader.step)
+
+    # -- live state transfer (re-join) ------------------------------------------------------------
+    def _separate_masters(self) -> dict[str, torch.Tensor]:
+        """The fp32 masters that are not the parameter itself (a 16-bit model's); fp32 parameters
+        are their own master and travel once, as ``param/<name>``."""
+        params = dict(self.stage.named_parameters())
+        return {n: m for n, m in self.optimizer.master.items() if m is not params[n]}
+
+    def _state_layout(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """What :meth:`export_state` gives, without copying anything (to check a received state)."""
+        layout = [
+            (f"param/{n}", tuple(p.shape), dtype_name(p.dtype)) for n, p in self.stage.named_parameters()
+        ]
+        layout += [
+            (f"master/{n}", tuple(m.shape), dtype_name(m.dtype)) for n, m in self._separate_masters().items()
+        ]
+        return layout + optimizer_layout(self.optimizer.torch_opt, self.optimizer.master)
+
+    def _state_meta(self) -> dict[str, object]:
+        """What identifies the state's coordinate: importing another coordinate's state (same shapes,
+        other shard) must fail, not silently train the wrong slice."""
+        return {"engine": "3d", "coordinate": self.digest_name, "dtype": self.cfg.model.dtype}
+
+    @torch.no_grad()
+    def export_state(self) -> EngineState:
+        """This rank's weights (model dtype), fp32 masters (16-bit models only), AdamW moments, step
+        counts and hyper-parameters, and RNG states: CPU copies; the engine is not modified.
+
+        Call at a step boundary (after :meth:`optimizer_step`): the gradient buffer is not sent."""
+        tensors = {f"param/{n}": cpu_copy(p) for n, p in self.stage.named_parameters()}
+        tensors.update({f"master/{n}": cpu_copy(m) for n, m in self._separate_masters().items()})
+        opt_tensors, opt_meta = export_optimizer(self.optimizer.torch_opt, self.optimizer.master)
+        tensors.update(opt_tensors)
+        meta = {**self._state_meta(), "optimizer": opt_meta, "rng": rng_state(self.device)}
+        return EngineState(tensors, meta)
+
+    @torch.no_grad()
+    def import_state(self, state: EngineState) -> None:
+        """Load :meth:`export_state`'s output from the rank at the same (pp, tp) coordinate of another
+        replica, in place: parameters, masters and the optimizer's tensors keep their identity, so the
+        gradient buffer's hooks and the optimizer's references stay valid. The gradient buffer is
+        zeroed (a step boundary). Everything is checked before anything changes."""
+        for key, value in self._state_meta().items():
+            if state.meta.get(key) != value:
+                raise ValueError(
+                    f"engine state for {key}={state.meta.get(key)!r}, this rank is {key}={value!r}"
+                )
+        check_layout(state.layout(), self._state_layout())
+        check_optimizer_meta(self.optimizer.torch_opt, self.optimizer.master, state.meta["optimizer"])
+        for n, p in self.stage.named_parameters():
+            p.copy_(state.tensors[f"param/{n}"])
+        for n, m in self._separate_masters().items():
+            m.copy_(state.tensors[f"master/{n}"])
+        import_optimizer(
+            self.optimizer.torch_opt, self.optimizer.master, state.tensors, state.meta["optimizer"]
+        )
+        self.grads.zero_()
+        set_rng_state(state.meta["rng"], self.device)
+        if self.cuda:
+            torch.cuda.synchronize()
 
     def parameter_digest(self) -> str:
         digest = hashlib.sha256()
