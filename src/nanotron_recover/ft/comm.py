@@ -84,6 +84,31 @@ reports that some rank is recovering, or when the caller asks for it.
    they all hold the same epoch and alive set. If no replica is left, every rank
    raises :class:`~.world.AllReplicasFailed` instead.
 
+*Parked ranks.* With ``park_orphans`` (``recover.rejoin.mode: spawn``) the alive ranks of a failed
+replica do not leave: they stay members of the global communicator (not of any replica or DP
+communicator), take part in every later agree and recovery, and are reused when their replica
+re-joins.
+
+Protocol of a re-join (:meth:`FaultTolerantComm.begin_join`, :meth:`commit_join`)
+------------------------------------------------------------------------------
+At a step boundary every member of the global communicator (survivors and parked ranks) agrees,
+from state they all hold, on the replicas to bring back and the logical ranks to spawn (the ranks
+of those replicas that are not members any more). Then, collectively:
+
+1. ``Spawn`` of one process per missing rank from the global communicator (a spawn that cannot
+   start, e.g. no free slot, fails on every parent alike: :class:`JoinFailed`, nothing changed);
+2. ``Merge`` of the intercommunicator into ``merged`` (the spawned processes come last), and a
+   header broadcast from rank 0: the plan, the epoch, the membership and the caller's payload;
+   spawned process ``k`` takes logical rank ``new_ranks[k]``, i.e. the place of a dead rank in the
+   grid (the grid of :mod:`.topology` never changes; only the process behind a logical rank does);
+3. an allgather of (logical rank, process) and the replica and DP splits of ``merged``, with the
+   re-joining replicas' ranks now active, plus the failure watch's own duplicate;
+4. the caller moves the replica state over the new DP communicators (``recovery/state_transfer.py``);
+5. *commit agree* ``merged.Agree(ok)``: uniform, so either every member installs the new world
+   (epoch + 1, the replicas alive again) or none does. On an abort the parents keep their old
+   communicators (a dead parent is then found by the next step's agree, as any failure) and the
+   spawned processes SIGKILL themselves; the job goes on at its width.
+
 Failures during shrink, split or the commit agree just cost another round;
 failures after the commit are the next step's business (they are detected by
 that step's reductions or agree).
@@ -111,6 +136,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -118,7 +144,7 @@ import numpy as np
 from .failstop import fail_stop
 from .processes import ProcessInfo, reap, still_running, this_process
 from .topology import RankCoords, Topology
-from .world import AllReplicasFailed, FTError, RecoveryResult, StaleEpoch, WorldChanged
+from .world import AllReplicasFailed, FTError, JoinFailed, JoinPlan, RecoveryResult, StaleEpoch, WorldChanged
 
 # Skip the PMIx fence in MPI_Finalize. Seen here with Open MPI 5.0.11 + ULFM: after a
 # rank was SIGKILLed, the survivors' MPI_Finalize waited on the dead rank in that fence
@@ -150,6 +176,11 @@ _FLAG = 0x1
 _NO_RECOVERY = 0x2
 _STOP_SHIFT = 2
 _STOP_BITS = 0xFF
+# What kind of global agree this is, for parked ranks (which contribute all ones and only follow):
+# each kind but "step" is one bit that the active ranks clear.
+_KIND_SHIFT = 10
+AGREE_KINDS = ("join", "finish", "stop")
+_KIND_MASK = (1 << len(AGREE_KINDS)) - 1
 
 # A shrink that keeps raising is not a failure we can recover from by retrying.
 _MAX_SHRINK_ATTEMPTS = 64
@@ -198,6 +229,27 @@ def _free(comm: MPI.Comm | None) -> None:
         pass  # a communicator with dead members may refuse; leaking one handle is harmless
 
 
+@dataclass
+class PendingJoin:
+    """The communicators a re-join built; installed by :meth:`FaultTolerantComm.commit_join`."""
+
+    plan: JoinPlan
+    merged: Any
+    replica_comm: Any
+    dp_comm: Any
+    watch_comm: Any
+    logical: list[int]  # logical rank of each rank of ``merged``
+    processes: list[ProcessInfo]  # of the spawned ranks
+    payload: Any  # the caller's header payload (from merged rank 0)
+    ok: bool = True  # False once a member failed while the join was being built
+    spawn_s: float = 0.0
+
+    def free(self) -> None:
+        for comm in (self.dp_comm, self.replica_comm, self.watch_comm, self.merged):
+            _revoke(comm)
+            _free(comm)
+
+
 class FaultTolerantComm:
     """Membership, world epochs and fault-tolerant DP reductions for one rank.
 
@@ -215,6 +267,8 @@ class FaultTolerantComm:
         on_failure_notice: if given, a :class:`~.watch.FailureWatch` thread calls it
             with ``(newly failed initial ranks, wall time)`` as soon as this process
             learns of a failure, even while it computes outside MPI.
+        park_orphans: keep the alive ranks of a failed replica in the job, parked, for a
+            later re-join (instead of letting them leave).
 
     Construction is collective over ``comm`` and is not itself fault tolerant:
     a failure before the first epoch exists is a failed launch.
@@ -230,35 +284,56 @@ class FaultTolerantComm:
         on_leave: Callable[[RecoveryResult], None] | None = None,
         fault_hook: Callable[[str], None] | None = None,
         on_failure_notice: Callable[[list[int], float], None] | None = None,
+        park_orphans: bool = False,
     ) -> None:
         base = MPI.COMM_WORLD if comm is None else comm
-        self.topology = Topology(tp=tp, pp=pp, n_replicas=n_replicas)
+        self._setup(tp, pp, n_replicas, on_leave, fault_hook, park_orphans)
         if base.Get_size() != self.topology.world_size:
             raise ValueError(
                 f"communicator has {base.Get_size()} ranks, expected "
                 f"n_replicas*pp*tp = {n_replicas}*{pp}*{tp} = {self.topology.world_size}"
             )
-        self._on_leave = on_leave
-        self._fault_hook = fault_hook
-
         self._global: MPI.Comm = base.Dup()
         self._global.Set_errhandler(MPI.ERRORS_RETURN)
-        # The group of the launch world: every later group is translated into it, so
-        # failed ranks are always reported as initial ranks.
-        self._initial_group: MPI.Group = self._global.Get_group()
+        # Logical rank (the place in the grid) of each rank of the global communicator. At launch
+        # it is the launch rank; a process spawned by a re-join takes the logical rank of the dead
+        # process it replaces. Failed ranks are always reported as logical ranks.
+        self._logical: list[int] = list(range(self.topology.world_size))
         self.coords: RankCoords = self.topology.coords(self._global.Get_rank())
+        self._replica_comm, self._dp_comm = self._split_derived(self._global, active=True)
+        # Who is who: (host, pid) of every logical rank, to tell a hung failed rank from a crashed
+        # one and to remove it for good (replaced when a re-join spawns a new process there).
+        self.processes: list[ProcessInfo] = self._global.allgather(this_process(self.coords.rank))
+        self._start_watch(base, on_failure_notice)
 
-        self._replica_comm, self._dp_comm = self._split_derived(self._global)
+    def _setup(
+        self,
+        tp: int,
+        pp: int,
+        n_replicas: int,
+        on_leave: Callable[[RecoveryResult], None] | None,
+        fault_hook: Callable[[str], None] | None,
+        park_orphans: bool,
+    ) -> None:
+        self.topology = Topology(tp=tp, pp=pp, n_replicas=n_replicas)
+        self._on_leave = on_leave
+        self._fault_hook = fault_hook
+        self._park_orphans = park_orphans
         self._epoch = 0
         self._alive_replicas: list[int] = list(range(n_replicas))
         self._alive_ranks: list[int] = list(range(self.topology.world_size))
+        self._parked_ranks: list[int] = []
+        # Epoch since which each replica has been alive without interruption: the longest-serving
+        # replica keeps the logging and checkpoint-writing roles when others re-join.
+        self._alive_since: dict[int, int] = {r: 0 for r in range(n_replicas)}
         self._closed = False
-        # Who is who: (host, pid) of every rank, to tell a hung failed rank from a crashed one
-        # and to remove it for good.
-        self.processes: list[ProcessInfo] = self._global.allgather(this_process(self.coords.rank))
         # True while this rank is inside allreduce_/agree/recover: MPI itself will tell it about
         # failures then, so the failure watch leaves it alone.
         self.in_ft_operation = False
+
+    def _start_watch(
+        self, base: MPI.Comm, on_failure_notice: Callable[[list[int], float], None] | None
+    ) -> None:
         # The process's failure watch: it also carries the heartbeats (see .heartbeat).
         from .watch import ensure_watch
 
@@ -279,8 +354,33 @@ class FaultTolerantComm:
 
     @property
     def alive_ranks(self) -> list[int]:
-        """Sorted initial ranks in the current world."""
+        """Sorted logical ranks of the alive replicas."""
         return list(self._alive_ranks)
+
+    @property
+    def parked(self) -> bool:
+        """This rank's replica failed; the rank stays in the job to be reused by a re-join."""
+        return self.coords.rank in self._parked_ranks
+
+    @property
+    def parked_ranks(self) -> list[int]:
+        """Sorted logical ranks of parked members (alive ranks of failed replicas)."""
+        return list(self._parked_ranks)
+
+    @property
+    def members(self) -> list[int]:
+        """Sorted logical ranks of every member of the global communicator."""
+        return sorted(self._alive_ranks + self._parked_ranks)
+
+    @property
+    def senior_replica(self) -> int:
+        """The alive replica that has been alive the longest (lowest id among equals): it logs and
+        writes checkpoints, so a replica that re-joins never takes those roles over mid-run."""
+        return min(self._alive_replicas, key=lambda r: (self._alive_since.get(r, 0), r))
+
+    @property
+    def alive_since(self) -> dict[int, int]:
+        return dict(self._alive_since)
 
     @property
     def global_comm(self) -> MPI.Comm:
@@ -296,7 +396,7 @@ class FaultTolerantComm:
 
     @property
     def rank(self) -> int:
-        """This process's initial rank in the launch communicator (never changes)."""
+        """This process's logical rank: its place in the grid (never changes)."""
         return self.coords.rank
 
     @property
@@ -350,21 +450,42 @@ class FaultTolerantComm:
         finally:
             self.in_ft_operation = False
 
-    def agree(self, flag: bool, stop: int = 0) -> tuple[bool, int]:
+    def agree(self, flag: bool, stop: int = 0, kind: str = "step") -> tuple[bool, int]:
         """The commit point of a step: logical AND of ``flag``, and OR of ``stop``, over the survivors.
 
         ``stop`` is a small bit set (0..255) of stop requests: any bit one rank sets, every
-        survivor gets back. Returns ``(flag, stop)`` only if no rank failed and no rank is
-        recovering; otherwise runs :meth:`recover` on every survivor and raises
-        :class:`WorldChanged` (uniformly: either all survivors return the same value or all raise).
+        survivor gets back. ``kind`` tells parked ranks (:meth:`follow`) what this agree is: a
+        step's commit, the boundary of a re-join, the end of the run, or a stop that follows.
+        Returns ``(flag, stop)`` only if no rank failed and no rank is recovering; otherwise runs
+        :meth:`recover` on every survivor and raises :class:`WorldChanged` (uniformly: either all
+        survivors return the same value or all raise).
         """
-        self._check_open()
         if not 0 <= stop <= _STOP_BITS:
             raise ValueError(f"stop bits must be in 0..{_STOP_BITS}, got {stop}")
+        kind_bits = _KIND_MASK & ~(1 << AGREE_KINDS.index(kind)) if kind != "step" else _KIND_MASK
+        value = self._agree_value(
+            (_FLAG if flag else 0)
+            | _NO_RECOVERY
+            | ((_STOP_BITS & ~stop) << _STOP_SHIFT)
+            | (kind_bits << _KIND_SHIFT)
+        )
+        return bool(value & _FLAG), _STOP_BITS & ~(value >> _STOP_SHIFT)
+
+    def follow(self) -> tuple[int, str]:
+        """A parked rank's side of the next global agree: ``(stop bits, kind)`` of what the active
+        ranks agreed; raises :class:`WorldChanged` like :meth:`agree`."""
+        value = self._agree_value(
+            _FLAG | _NO_RECOVERY | (_STOP_BITS << _STOP_SHIFT) | (_KIND_MASK << _KIND_SHIFT)
+        )
+        kinds = ~(value >> _KIND_SHIFT) & _KIND_MASK
+        kind = next((k for i, k in enumerate(AGREE_KINDS) if kinds & (1 << i)), "step")
+        return _STOP_BITS & ~(value >> _STOP_SHIFT), kind
+
+    def _agree_value(self, mine: int) -> int:
+        self._check_open()
         t0 = time.perf_counter()
         self.in_ft_operation = True
         try:
-            mine = (_FLAG if flag else 0) | _NO_RECOVERY | ((_STOP_BITS & ~stop) << _STOP_SHIFT)
             try:
                 value = self._global.Agree(mine)
             except MPI.Exception as exc:
@@ -378,7 +499,7 @@ class FaultTolerantComm:
                 raise WorldChanged(result)
         finally:
             self.in_ft_operation = False
-        return bool(value & _FLAG), _STOP_BITS & ~(value >> _STOP_SHIFT)
+        return value
 
     def recover(self) -> RecoveryResult:
         """Move every survivor to a new world without the failed replicas (see module docstring).
@@ -421,11 +542,15 @@ class FaultTolerantComm:
         if self._fault_hook is not None:
             self._fault_hook(point)
 
-    def _split_derived(self, glob: MPI.Comm) -> tuple[MPI.Comm, MPI.Comm]:
-        """The replica and DP communicators of ``glob`` (collective over ``glob``)."""
-        replica = glob.Split(color=self.coords.replica, key=self.coords.local_rank)
+    def _split_derived(self, glob: MPI.Comm, active: bool) -> tuple[MPI.Comm | None, MPI.Comm | None]:
+        """The replica and DP communicators of ``glob`` (collective over ``glob``); a parked rank
+        takes part in the splits but gets neither."""
+        c = self.coords
+        replica = glob.Split(color=c.replica if active else MPI.UNDEFINED, key=c.local_rank)
+        dp = glob.Split(color=c.local_rank if active else MPI.UNDEFINED, key=c.replica)
+        if not active:
+            return None, None
         replica.Set_errhandler(MPI.ERRORS_RETURN)
-        dp = glob.Split(color=self.coords.local_rank, key=self.coords.replica)
         dp.Set_errhandler(MPI.ERRORS_RETURN)
         return replica, dp
 
@@ -449,20 +574,25 @@ class FaultTolerantComm:
             return shrunk
         fail_stop(f"rank {self.rank}: Shrink failed {_MAX_SHRINK_ATTEMPTS} times")
 
-    def _alive_initial_ranks(self, comm: MPI.Comm) -> list[int]:
+    @staticmethod
+    def _logical_members(comm: MPI.Comm, base_group: MPI.Group, base_logical: list[int]) -> list[int]:
+        """Logical ranks of ``comm``'s members, through the group of the communicator they came from."""
         group = comm.Get_group()
         try:
-            ranks = group.Translate_ranks(list(range(group.Get_size())), self._initial_group)
+            ranks = group.Translate_ranks(list(range(group.Get_size())), base_group)
         finally:
             group.Free()
-        return sorted(int(r) for r in ranks)
+        return sorted(base_logical[int(r)] for r in ranks)
 
     def _recover(self, trigger: str, *, detect_s: float, entry_agree: bool) -> RecoveryResult:
         detected_at = time.time()
         t_start = time.perf_counter()
         old_epoch = self._epoch
         prev_replicas = list(self._alive_replicas)
-        prev_ranks = set(self._alive_ranks)
+        prev_members = set(self.members)
+        # Every group below is translated into the pre-recovery global communicator's group.
+        base_group = self._global.Get_group()
+        base_logical = list(self._logical)
         self._hook("recover:enter")
 
         # 1. Revoke everything we own: peers blocked in any of them must wake up.
@@ -491,10 +621,11 @@ class FaultTolerantComm:
             shrink_s += time.perf_counter() - t_shrink
             self._hook("recover:shrunk")
 
-            alive_ranks = self._alive_initial_ranks(shrunk)
-            complete = set(self.topology.complete_replicas(alive_ranks))
+            members = self._logical_members(shrunk, base_group, base_logical)
+            complete = set(self.topology.complete_replicas(members))
             alive_replicas = [r for r in prev_replicas if r in complete]
-            leaving = self.coords.replica not in complete
+            active = self.coords.replica in alive_replicas
+            leaving = not active and not self._park_orphans
 
             ok = 1
             new_global: MPI.Comm | None = None
@@ -504,7 +635,7 @@ class FaultTolerantComm:
                 new_global = shrunk.Split(MPI.UNDEFINED if leaving else 0, key=self.coords.rank)
                 if not leaving:
                     new_global.Set_errhandler(MPI.ERRORS_RETURN)
-                    new_replica, new_dp = self._split_derived(new_global)
+                    new_replica, new_dp = self._split_derived(new_global, active)
             except MPI.Exception as exc:
                 if not is_fault(exc):
                     raise
@@ -513,9 +644,7 @@ class FaultTolerantComm:
             self._hook("recover:split")
             # Which failed ranks still run on this host (frozen, not crashed): looked at before the
             # commit agree, so before any survivor kills them.
-            seen_running = {
-                r: still_running(self.processes[r]) for r in sorted(prev_ranks - set(alive_ranks))
-            }
+            seen_running = {r: still_running(self.processes[r]) for r in sorted(prev_members - set(members))}
 
             try:
                 committed = shrunk.Agree(ok) == 1
@@ -529,9 +658,14 @@ class FaultTolerantComm:
                 _free(comm)
             discarded.append(shrunk)
             cur = shrunk
+        base_group.Free()
 
-        survivors = [r for r in alive_ranks if self.topology.replica_of(r) in set(alive_replicas)]
-        failed_ranks = sorted(prev_ranks - set(alive_ranks))
+        alive_set = set(alive_replicas)
+        survivors = [r for r in members if self.topology.replica_of(r) in alive_set]
+        parked = (
+            [r for r in members if self.topology.replica_of(r) not in alive_set] if self._park_orphans else []
+        )
+        failed_ranks = sorted(prev_members - set(members))
         hung = [r for r in failed_ranks if seen_running.get(r)]
         unseen = [r for r in failed_ranks if seen_running.get(r, None) is None]
         if not leaving:
@@ -556,6 +690,7 @@ class FaultTolerantComm:
             left=leaving,
             hung_ranks=tuple(hung),
             unseen_ranks=tuple(unseen),
+            parked=not active and not leaving,
         )
         self._hook("recover:committed")
 
@@ -577,14 +712,203 @@ class FaultTolerantComm:
                 f"epoch {old_epoch} -> {old_epoch + 1}"
             )
 
-        assert new_global is not None and new_replica is not None and new_dp is not None
+        assert new_global is not None
         for comm in (self._dp_comm, self._replica_comm, self._global, *discarded, shrunk):
             _free(comm)
         self._global, self._replica_comm, self._dp_comm = new_global, new_replica, new_dp
+        # new_global is ordered by logical rank (the split key).
+        self._logical = sorted(members) if self._park_orphans else survivors
         self._alive_replicas = alive_replicas
         self._alive_ranks = survivors
+        self._parked_ranks = parked
         self._epoch = old_epoch + 1
         return result
+
+    # ------------------------------------------------------------------- re-join
+    def begin_join(
+        self, plan: JoinPlan | None, command: list[str], info: dict[str, str], payload: Any
+    ) -> PendingJoin:
+        """Steps 1-3 of a re-join on a member (collective over the global communicator).
+
+        The lowest alive rank is the root: its ``plan``, ``command``, ``info`` and ``payload``
+        count; a parked rank passes None and learns them from the root. Raises
+        :class:`JoinFailed` if the spawn fails (on every member alike). Otherwise returns a
+        :class:`PendingJoin`, whose ``ok`` is False if a member failed while it was being built;
+        the caller then moves state and calls :meth:`commit_join` in any case."""
+        self._check_open()
+        t0 = time.perf_counter()
+        root = self._logical.index(min(self._alive_ranks))
+        is_root = self._global.Get_rank() == root
+        self.in_ft_operation = True
+        try:
+            header = None
+            if is_root:
+                assert plan is not None
+                header = {
+                    "plan": plan,
+                    "command": command,
+                    "info": info,
+                    "epoch": self._epoch,
+                    "alive_replicas": self._alive_replicas,
+                    "parked": self._parked_ranks,
+                    "alive_since": self._alive_since,
+                    "processes": self.processes,
+                    "logical": self._logical,
+                    "payload": payload,
+                }
+            try:
+                header = self._global.bcast(header, root=root)
+            except MPI.Exception as exc:
+                if not is_fault(exc):
+                    raise
+                raise JoinFailed(f"a member failed before the spawn: {exc.Get_error_string()}") from exc
+            plan = header["plan"]
+            mpi_info = MPI.Info.Create()
+            for key, value in header["info"].items():
+                mpi_info.Set(key, value)
+            try:
+                cmd = header["command"]
+                inter = self._global.Spawn(
+                    cmd[0], cmd[1:], maxprocs=len(plan.new_ranks), info=mpi_info, root=root
+                )
+            except MPI.Exception as exc:
+                raise JoinFailed(
+                    f"spawn of {len(plan.new_ranks)} process(es) failed: {exc.Get_error_string()}"
+                ) from exc
+            finally:
+                mpi_info.Free()
+            inter.Set_errhandler(MPI.ERRORS_RETURN)
+            try:
+                merged = inter.Merge(high=False)
+            except MPI.Exception as exc:
+                raise JoinFailed(f"merging the spawned processes failed: {exc.Get_error_string()}") from exc
+            finally:
+                _free(inter)
+            merged.Set_errhandler(MPI.ERRORS_RETURN)
+            try:
+                merged.bcast(header if merged.Get_rank() == 0 else None, root=0)  # to the spawned ones
+            except MPI.Exception as exc:
+                if not is_fault(exc):
+                    raise
+                _revoke(merged)  # carry on to the commit agree, which then aborts uniformly
+            pending = self._build_join(merged, header, self.coords.rank)
+            pending.spawn_s = time.perf_counter() - t0
+            return pending
+        finally:
+            self.in_ft_operation = False
+
+    @classmethod
+    def join_parent(
+        cls,
+        tp: int,
+        pp: int,
+        n_replicas: int,
+        *,
+        on_leave: Callable[[RecoveryResult], None] | None = None,
+        fault_hook: Callable[[str], None] | None = None,
+        on_failure_notice: Callable[[list[int], float], None] | None = None,
+        park_orphans: bool = True,
+    ) -> tuple[FaultTolerantComm, PendingJoin]:
+        """The spawned side of a re-join: this process was started by :meth:`begin_join`.
+
+        Returns this rank's (not yet committed) communicator and the pending join; the caller
+        receives its state and calls :meth:`commit_join`, which SIGKILLs this process on an abort."""
+        parent = MPI.Comm.Get_parent()
+        if parent == MPI.COMM_NULL:
+            raise FTError("join_parent: this process was not spawned by a running job")
+        self = cls.__new__(cls)
+        self._setup(tp, pp, n_replicas, on_leave, fault_hook, park_orphans)
+        self._start_watch(MPI.COMM_WORLD, on_failure_notice)  # heartbeat progress until the commit
+        parent.Set_errhandler(MPI.ERRORS_RETURN)
+        try:
+            merged = parent.Merge(high=True)
+        except MPI.Exception as exc:
+            fail_stop(f"spawned process: merging with the job failed: {exc.Get_error_string()}")
+        merged.Set_errhandler(MPI.ERRORS_RETURN)
+        try:
+            header = merged.bcast(None, root=0)
+        except MPI.Exception as exc:
+            fail_stop(f"spawned process: the job failed during the re-join: {exc.Get_error_string()}")
+        plan: JoinPlan = header["plan"]
+        n_parents = len(header["logical"])
+        logical = plan.new_ranks[merged.Get_rank() - n_parents]
+        self.coords = self.topology.coords(logical)
+        self._epoch = header["epoch"]
+        self._alive_replicas = list(header["alive_replicas"])
+        self._alive_ranks = [r for rep in self._alive_replicas for r in self.topology.ranks_of_replica(rep)]
+        self._parked_ranks = list(header["parked"])
+        self._alive_since = dict(header["alive_since"])
+        self.processes = list(header["processes"])
+        self._logical = list(header["logical"])
+        self._global = self._replica_comm = self._dp_comm = None
+        pending = self._build_join(merged, header, logical)
+        return self, pending
+
+    def _build_join(self, merged: MPI.Comm, header: dict, logical: int) -> PendingJoin:
+        """Step 3 of a re-join, alike on parents and spawned processes (after the header's bcast)."""
+        plan: JoinPlan = header["plan"]
+        pending = PendingJoin(
+            plan=plan,
+            merged=merged,
+            replica_comm=None,
+            dp_comm=None,
+            watch_comm=None,
+            logical=[],
+            processes=[],
+            payload=header["payload"],
+        )
+        active = self.coords.replica in set(self._alive_replicas) | set(plan.replicas)
+        try:
+            pending.logical = [int(r) for r in merged.allgather(logical)]
+            infos = merged.allgather(this_process(logical))
+            pending.processes = [infos[i] for i, r in enumerate(pending.logical) if r in plan.new_ranks]
+            pending.replica_comm, pending.dp_comm = self._split_derived(merged, active)
+            pending.watch_comm = merged.Dup()
+        except MPI.Exception as exc:
+            if not is_fault(exc):
+                raise
+            pending.ok = False
+            for comm in (pending.dp_comm, pending.replica_comm, merged):
+                _revoke(comm)  # wake members blocked in the join's collectives
+        return pending
+
+    def commit_join(self, pending: PendingJoin, ok: bool) -> bool:
+        """Step 5: the commit agree of a re-join. True: the new world is installed (epoch + 1).
+        False: nothing changed here; a spawned process SIGKILLs itself instead of returning."""
+        spawned = self._global is None
+        try:
+            committed = pending.merged.Agree(1 if (ok and pending.ok) else 0) & 1 == 1
+        except MPI.Exception as exc:
+            if not is_fault(exc):
+                raise
+            committed = False
+        if not committed:
+            pending.free()
+            if spawned:
+                self._closed = True
+                fail_stop(f"spawned rank {self.rank}: the re-join was aborted")
+            return False
+        plan = pending.plan
+        for comm in (self._dp_comm, self._replica_comm, self._global):
+            _free(comm)
+        self._global, self._replica_comm, self._dp_comm = (
+            pending.merged,
+            pending.replica_comm,
+            pending.dp_comm,
+        )
+        self._logical = pending.logical
+        for info in pending.processes:
+            self.processes[info.rank] = info
+        self._epoch += 1
+        self._alive_replicas = sorted(set(self._alive_replicas) | set(plan.replicas))
+        self._alive_ranks = [r for rep in self._alive_replicas for r in self.topology.ranks_of_replica(rep)]
+        self._parked_ranks = [r for r in self._parked_ranks if r not in plan.reused_ranks]
+        for rep in plan.replicas:
+            self._alive_since[rep] = self._epoch
+        from .watch import rebase_watch
+
+        rebase_watch(pending.watch_comm, pending.logical)
+        return True
 
 
 # The name this error had before it moved to .world; kept until every importer uses the new one.
@@ -594,6 +918,9 @@ __all__ = [
     "AllReplicasFailed",
     "FTError",
     "FaultTolerantComm",
+    "JoinFailed",
+    "JoinPlan",
+    "PendingJoin",
     "RecoveryResult",
     "StaleEpoch",
     "WorldChanged",

@@ -38,7 +38,7 @@ def write_record(run_dir: str | Path, name: str, record: dict[str, Any]) -> None
     """Write ``faults/<name>.json`` atomically; best effort (a full disk must not keep a rank alive)."""
     if record.get("kind") not in KINDS:
         raise ValueError(f"unknown failure kind {record.get('kind')!r}")
-    record = {"time": time.time(), **record}
+    record = {"time": time.time(), "pid": os.getpid(), **record}
     path = faults_dir(run_dir) / f"{name}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -49,8 +49,16 @@ def write_record(run_dir: str | Path, name: str, record: dict[str, Any]) -> None
         pass
 
 
-def read_records(run_dir: str | Path, ranks: list[int] | None = None, since: float = 0.0) -> list[dict]:
-    """Records of ranks among ``ranks`` (all if None) written at or after ``since``, oldest first."""
+def read_records(
+    run_dir: str | Path,
+    ranks: list[int] | None = None,
+    since: float = 0.0,
+    pids: dict[int, int] | None = None,
+) -> list[dict]:
+    """Records of ranks among ``ranks`` (all if None) written at or after ``since``, oldest first.
+
+    With ``pids`` (rank -> pid), only the records the process now at that rank wrote: after a
+    re-join a logical rank is a new process, and its predecessor's record is not its story."""
     out = []
     for f in sorted(faults_dir(run_dir).glob("step*_rank*.json")):
         try:
@@ -58,5 +66,7 @@ def read_records(run_dir: str | Path, ranks: list[int] | None = None, since: flo
         except (OSError, ValueError):
             continue
         if (ranks is None or record.get("rank") in ranks) and record.get("time", 0.0) >= since:
+            if pids is not None and record.get("pid", pids.get(record["rank"])) != pids.get(record["rank"]):
+                continue
             out.append(record)
     return sorted(out, key=lambda r: r["time"])

@@ -17,6 +17,10 @@ The thread's polling is also what carries ULFM's heartbeats while the main threa
 detector runs without a thread of its own, see :mod:`.heartbeat`), so there is one watch per
 process (:func:`ensure_watch`), started right after ``MPI_Init``; callbacks subscribe to it.
 
+After a re-join the job's global communicator contains processes that are not in the launch
+communicator: :func:`rebase_watch` moves the watch onto a duplicate of the new global communicator,
+whose ranks it reports as logical ranks (the grid positions, see ``ft/comm.py``).
+
 The callback decides what to do; the transaction's rule is: if a member of my replica failed and
 I am not inside a fault-tolerant MPI operation (which would learn it itself), my replica is lost,
 so leave now instead of waiting for a library timeout.
@@ -35,15 +39,33 @@ _TAG = 0x7A7C  # never sent by anyone
 
 class FailureWatch:
     def __init__(self, base: MPI.Comm, poll_s: float = 0.05) -> None:
-        self._comm = base.Dup()
-        self._comm.Set_errhandler(MPI.ERRORS_RETURN)
-        self._group = self._comm.Get_group()
         self._subscribers: list[Callable[[list[int], float], None]] = []
         self._poll_s = poll_s
         self._known: set[int] = set()
+        self._start(base.Dup(), list(range(base.Get_size())))
+
+    def _start(self, comm: MPI.Comm, logical: list[int]) -> None:
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self._comm = comm
+        self._known = set()  # a new communicator starts with no failures
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ft-failure-watch", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(comm, comm.Get_group(), logical, self._stop),
+            name="ft-failure-watch",
+            daemon=True,
+        )
         self._thread.start()
+
+    def rebase(self, comm: MPI.Comm, logical: list[int]) -> None:
+        """Watch ``comm`` (a private duplicate, owned from now on) whose rank ``i`` is logical rank
+        ``logical[i]``. The receive pending on the old duplicate is left behind (never matched)."""
+        self.stop()
+        self._start(comm, logical)
+
+    def known_failed(self) -> set[int]:
+        """Logical ranks this process has learned failed so far."""
+        return set(self._known)
 
     def subscribe(self, on_failure: Callable[[list[int], float], None]) -> None:
         """Call ``on_failure(newly failed initial ranks, wall time)`` for every failure seen from now on."""
@@ -53,25 +75,26 @@ class FailureWatch:
         self._stop.set()
         self._thread.join(timeout=2.0)
 
-    def _failed_now(self) -> set[int]:
-        failed = self._comm.Get_failed()
+    @staticmethod
+    def _failed_now(comm: MPI.Comm, group: MPI.Group, logical: list[int]) -> set[int]:
+        failed = comm.Get_failed()
         try:
-            ranks = failed.Translate_ranks(list(range(failed.Get_size())), self._group)
+            ranks = failed.Translate_ranks(list(range(failed.Get_size())), group)
         finally:
             failed.Free()
-        return {int(r) for r in ranks if r != MPI.UNDEFINED}
+        return {logical[int(r)] for r in ranks if r != MPI.UNDEFINED}
 
-    def _run(self) -> None:
+    def _run(self, comm: MPI.Comm, group: MPI.Group, logical: list[int], stop: threading.Event) -> None:
         buf = bytearray(1)
-        request = self._comm.Irecv(buf, source=MPI.ANY_SOURCE, tag=_TAG)
-        while not self._stop.is_set():
+        request = comm.Irecv(buf, source=MPI.ANY_SOURCE, tag=_TAG)
+        while not stop.is_set():
             try:
                 request.Test()
             except MPI.Exception:
                 noticed = time.time()
                 try:
-                    failed = self._failed_now()
-                    self._comm.Ack_failed()
+                    failed = self._failed_now(comm, group, logical)
+                    comm.Ack_failed()
                 except MPI.Exception:
                     failed = set()
                 new = sorted(failed - self._known)
@@ -82,11 +105,11 @@ class FailureWatch:
                     except Exception:
                         pass  # a failing callback must not stop the watch
                 try:
-                    request = self._comm.Irecv(buf, source=MPI.ANY_SOURCE, tag=_TAG)
+                    request = comm.Irecv(buf, source=MPI.ANY_SOURCE, tag=_TAG)
                 except MPI.Exception:
                     return
                 continue
-            self._stop.wait(self._poll_s)
+            stop.wait(self._poll_s)
 
 
 _watch: FailureWatch | None = None
@@ -97,6 +120,16 @@ def ensure_watch(base: MPI.Comm) -> FailureWatch:
     global _watch
     if _watch is None:
         _watch = FailureWatch(base)
+    return _watch
+
+
+def rebase_watch(comm: MPI.Comm, logical: list[int]) -> None:
+    """Move this process's watch onto ``comm`` (see :meth:`FailureWatch.rebase`)."""
+    if _watch is not None:
+        _watch.rebase(comm, logical)
+
+
+def current_watch() -> FailureWatch | None:
     return _watch
 
 

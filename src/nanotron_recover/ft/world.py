@@ -46,6 +46,9 @@ class RecoveryResult:
     # failed ranks on other hosts, which this rank cannot see.
     hung_ranks: tuple[int, ...] = ()
     unseen_ranks: tuple[int, ...] = ()
+    # True on a rank of a failed replica that stays in the job, parked, to be reused when its
+    # replica re-joins (``recover.rejoin``); such a rank has no replica or DP communicator.
+    parked: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
@@ -77,4 +80,25 @@ class AllReplicasFailed(FTError):
         self.result = result
 
 
-__all__ = ["AllReplicasFailed", "FTError", "RecoveryResult", "StaleEpoch", "WorldChanged"]
+@dataclass(frozen=True)
+class JoinPlan:
+    """Which replicas come back in one re-join (decided by the root, sent to every member)."""
+
+    replicas: tuple[int, ...]  # replicas brought back
+    new_ranks: tuple[int, ...]  # logical ranks to spawn (sorted)
+    reused_ranks: tuple[int, ...]  # parked ranks of those replicas, reused
+
+
+class JoinFailed(FTError):
+    """A re-join did not commit (the spawn failed, or a member failed during it); nothing changed."""
+
+
+__all__ = [
+    "AllReplicasFailed",
+    "FTError",
+    "JoinFailed",
+    "JoinPlan",
+    "RecoveryResult",
+    "StaleEpoch",
+    "WorldChanged",
+]
