@@ -31,7 +31,7 @@ import torch
 from .checkpoint import CheckpointError, PendingSave, find_resume_checkpoint, latest_step
 from .config import Config, TokenizedDatasetArgs
 from .data import MicroBatchSource, build_microbatch_source
-from .data_parallel import DataParallelMode, ReplicaParts
+from .data_parallel import DataParallelMode, JoinedState, Parked, ReplicaParts
 from .engines import ModelEngine, build_model_engine
 from .errors import ExitCode, InputError, StopRun
 from .logging import MetricsWriter, ids_digest
@@ -82,23 +82,45 @@ class DistributedTrainer:
         # may show on some ranks only: every rank learns the first error and stops the same way,
         # instead of the others waiting for the failed ones in their first collective.
         error = None
-        try:
-            self.engine: ModelEngine = build_model_engine(cfg, self.world, self.ctx)
-            # Open (and so check) every data stage's corpus now, not when its first step comes.
+        joined = self.dp_mode.joined_state()
+        if joined is not None:
+            # Spawned into a running job (re-join): the state comes from a healthy replica, and the
+            # job's start-up checks are long past.
             for stage in cfg.data_stages:
                 self.source_for(max(stage.start_training_step, 1))
-            self.start_step = self._maybe_resume()
-        except (InputError, CheckpointError, OSError) as e:
-            error = " ".join(str(e).split())
-        agreed = self.dp_mode.agree_startup(error)
-        if agreed is not None:
-            raise InputError(agreed)
+            self.start_step = self._adopt(joined)
+        else:
+            try:
+                self.engine: ModelEngine = build_model_engine(cfg, self.world, self.ctx)
+                # Open (and so check) every data stage's corpus now, not when its first step comes.
+                for stage in cfg.data_stages:
+                    self.source_for(max(stage.start_training_step, 1))
+                self.start_step = self._maybe_resume()
+            except (InputError, CheckpointError, OSError) as e:
+                error = " ".join(str(e).split())
+            agreed = self.dp_mode.agree_startup(error)
+            if agreed is not None:
+                raise InputError(agreed)
         self.metrics: MetricsWriter | None = None
         self._history: list[dict[str, Any]] = []
         # Real on the logging rank only (see _start_reporting); no-ops elsewhere.
         self.run_logger = RunLogger()
         self.progress = Progress(0, enabled=False)
         self._pending_save: PendingSave | None = None
+        self._attach()
+
+    def _adopt(self, joined: JoinedState) -> int:
+        """Take a healthy replica's state (re-join): a new replica world, a fresh engine holding the
+        received state. Returns the committed step it is from."""
+        old = getattr(self, "engine", None)
+        if old is not None:
+            old.close()
+        self.world, self.ctx = joined.world, joined.ctx
+        self.engine = build_model_engine(self.cfg, self.world, self.ctx)
+        self.engine.import_state(joined.engine_state)
+        return joined.step
+
+    def _attach(self) -> None:
         self.dp_mode.attach(
             ReplicaParts(
                 engine=self.engine,
@@ -237,16 +259,27 @@ class DistributedTrainer:
         last = t.train_steps if stop_after_step is None else min(stop_after_step, t.train_steps)
         self.target_step = last
         final_save = ck.save_final_state or stop_after_step is not None
+        self.dp_mode.set_target(last)
         try:
-            for step in range(self.start_step + 1, last + 1):
-                r = self.train_step(step)
-                results.append(r)
-                self._log(r)
-                due = ck.checkpoint_interval and step % ck.checkpoint_interval == 0
-                if due or (step == last and final_save):
-                    self._save_or_stop(step)
-                self._poll_save()
-                self.dp_mode.after_step(step)
+            step = self.start_step + 1
+            while step <= last:
+                try:
+                    r = self.train_step(step)
+                    results.append(r)
+                    self._log(r)
+                    due = ck.checkpoint_interval and step % ck.checkpoint_interval == 0
+                    if due or (step == last and final_save):
+                        self._save_or_stop(step)
+                    self._poll_save()
+                    self.dp_mode.after_step(step)
+                except Parked:
+                    # My replica failed, I did not: wait for it to re-join, then go on from the
+                    # state a healthy replica sends (or the run ends while parked: park exits).
+                    self._pending_save = None
+                    step = self._adopt(self.dp_mode.park()) + 1
+                    self._attach()
+                    continue
+                step += 1
             try:
                 self.wait_for_save()
             except CheckpointError as e:

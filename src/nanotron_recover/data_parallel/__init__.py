@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..config import Config
 from .plain import PlainDataParallel
-from .protocol import DataParallelMode, ReducedStep, ReplicaParts
+from .protocol import DataParallelMode, JoinedState, Parked, ReducedStep, ReplicaParts
 
 
 def build_data_parallel(cfg: Config, run_dir: Path) -> DataParallelMode:
@@ -25,4 +25,12 @@ def build_data_parallel(cfg: Config, run_dir: Path) -> DataParallelMode:
     return PlainDataParallel(cfg, run_dir)
 
 
-__all__ = ["DataParallelMode", "PlainDataParallel", "ReducedStep", "ReplicaParts", "build_data_parallel"]
+__all__ = [
+    "DataParallelMode",
+    "JoinedState",
+    "Parked",
+    "PlainDataParallel",
+    "ReducedStep",
+    "ReplicaParts",
+    "build_data_parallel",
+]

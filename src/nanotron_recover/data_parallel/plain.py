@@ -22,7 +22,7 @@ from ..errors import StopRun
 from ..ft.faults import FaultInjector
 from ..parallel.context import ParallelContext
 from ..parallel.world import World, init_world
-from .protocol import ReducedStep, ReplicaParts
+from .protocol import JoinedState, ReducedStep, ReplicaParts
 
 # Stop kinds as codes for the plain mode's all-reduce (MAX: the most specific cause wins).
 _STOP_CODES = {kind: i + 1 for i, kind in enumerate(("too_few_replicas", "input", "io", "deterministic"))}
@@ -125,6 +125,15 @@ class PlainDataParallel:
     def fault_point(self, phase: str) -> None:
         if self.injector is not None:
             self.injector.maybe_fail(phase, 0)
+
+    def set_target(self, last_step: int) -> None:
+        pass
+
+    def joined_state(self) -> None:
+        return None  # one torch world: nothing joins a running job
+
+    def park(self) -> JoinedState:
+        raise RuntimeError("the plain data-parallel mode never parks a rank")
 
     def finish(self, last_step: int, resave: Callable[[int], Any] | None = None) -> None:
         self._agree_stop()

@@ -12,6 +12,13 @@ is a :class:`DataParallelMode`, built by the command line from the config and ha
 
 A mode sees the rest of the system only through :class:`ReplicaParts`: the model engine, the data,
 a checkpoint callback and a reporter. Neither mode imports the trainer.
+
+Re-join (forward recovery with ``recover.rejoin``) adds two turns to the loop. A rank whose replica
+fails while the rank itself is healthy raises :class:`Parked` out of the step; the trainer hands it
+back to the mode's ``park``, which returns once the replica re-joins with a :class:`JoinedState`
+(the committed step, the state received from a healthy replica, the replica's new torch world),
+and the trainer rebuilds its engine from it. A process spawned by a re-join starts the same way:
+``joined_state()`` gives its state instead of a checkpoint.
 """
 
 from __future__ import annotations
@@ -37,6 +44,23 @@ class ReducedStep:
     ids: list[int]  # micro-batch ids the summed gradient contains
     replicas: int
     extra: dict[str, Any] = field(default_factory=dict)  # mode-specific metrics
+
+
+@dataclass
+class JoinedState:
+    """What a rank that (re-)joins training starts from: a healthy replica's state."""
+
+    step: int  # the last committed step; training goes on with step + 1
+    engine_state: Any  # engines.state.EngineState, imported into a freshly built engine
+    world: World
+    ctx: ParallelContext
+
+
+class Parked(BaseException):
+    """This rank's replica failed, the rank did not: it is kept (parked) for a re-join.
+
+    A ``BaseException``: it is control flow out of the step, which no ``except Exception`` on the
+    way (a failed micro-batch, a failed save) may mistake for an error of its own."""
 
 
 @dataclass
@@ -73,6 +97,15 @@ class DataParallelMode(Protocol):
 
     def check_member(self) -> None:
         """Before writing shared files: this rank is still a member of the job."""
+
+    def set_target(self, last_step: int) -> None:
+        """The last step this run trains (re-joins stop before it)."""
+
+    def joined_state(self) -> JoinedState | None:
+        """For a process spawned into a running job: where it starts (None otherwise)."""
+
+    def park(self) -> JoinedState:
+        """After :class:`Parked`: wait until this rank's replica re-joins (or the run ends: exit)."""
 
     def finish(self, last_step: int, resave: Callable[[int], Any] | None = None) -> None: ...
     def is_logger(self) -> bool: ...

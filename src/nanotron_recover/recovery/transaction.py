@@ -50,6 +50,18 @@ writes ``outcome.json``, one line names the cause, and every rank exits with the
 status. Below ``recover.min_replicas`` the survivors checkpoint the last committed step
 (synchronously) and stop the same way; that checkpoint resumes in either mode.
 
+Re-join (``recover.rejoin.mode: spawn``). The healthy ranks of a failed replica do not leave: they
+park (``ft/comm.py``): they stay in the global communicator and follow its agrees
+(:meth:`~nanotron_recover.ft.comm.FaultTolerantComm.follow`), which carry their kind -- a step's
+commit, a re-join, the end, a stop -- so a parked rank needs no step count of its own. A rank
+learns that its replica failed from its torch world (a gloo/NCCL error) or from the failure watch;
+it then enters the recovery itself and parks (a rank stuck on a frozen peer leaves after a grace
+period instead). At a step boundary where ``policy.rejoin`` says a replica is due, the active ranks
+agree (kind ``join``), spawn the replica's dead ranks, and every rank of the replica receives a
+healthy replica's state (``recovery/state_transfer.py``); the commit agree of the join makes it all or
+nothing. The next step plans over the larger set of replicas; ``B`` and the ids do not change.
+Every join, failed or not, is an incident of kind ``rejoin``.
+
 ``detect_s`` of an incident: from the failure to the first survivor that saw it surface in MPI.
 The time of the failure is the failed rank's record when it left one (injected faults, watchdog,
 errors); otherwise (a process killed or frozen from outside) it is the moment the first survivor
@@ -63,6 +75,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -75,20 +88,23 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, check_world_size
-from ..data_parallel.protocol import ReducedStep, ReplicaParts
+from ..data_parallel.protocol import JoinedState, Parked, ReducedStep, ReplicaParts
 from ..errors import STOP_KINDS, StopRun
 from ..ft.failstop import Watchdog, fail_stop
 from ..ft.faults import FaultInjector
 from ..ft.records import STOP_KINDS as RECORD_STOP_KINDS
 from ..ft.records import read_records, write_record
 from ..ft.replica_world import init_replica_world
-from ..ft.world import AllReplicasFailed, RecoveryResult, WorldChanged
+from ..ft.watch import current_watch
+from ..ft.world import AllReplicasFailed, JoinFailed, JoinPlan, RecoveryResult, WorldChanged
 from ..logging import IncidentLog
 from ..outcome import SUPERVISED_ENV
 from ..parallel.context import ParallelContext
 from ..parallel.world import World
 from ..policy import CoverageError, StepPlan, check_coverage, repair, steady_plan
+from ..policy.rejoin import RejoinBook, due_replicas
 from .buckets import BucketedReduction
+from .state_transfer import TransferResult, transfer_state
 
 # Each stop kind is one bit of the step agree's stop set.
 STOP_BITS = {kind: 1 << i for i, kind in enumerate(sorted(STOP_KINDS))}
@@ -163,6 +179,22 @@ class ForwardRecovery:
         # (began, surfaced) wall times of the operation in which this rank last saw a failure.
         self.last_failure_view: tuple[float, float] = (0.0, 0.0)
         self.last_step = 0
+        self.target_step = cfg.tokens.train_steps
+        # Re-join: the policy's book (alike on every member), when each replica was lost (for the
+        # incident's join_s), and this process's start as a spawned replacement.
+        self.rejoin = self.args.rejoin
+        self.rejoin_on = self.rejoin.mode == "spawn"
+        self.book = RejoinBook()
+        self.lost_wall: dict[int, float] = {}
+        self.joining = False
+        self.parking = False
+        self._joined: JoinedState | None = None
+        # Re-join incidents wait for the next commit: the logging rank may be the one a failed
+        # join lost, and its successor is known only then.
+        self.rejoin_records: list[dict[str, Any]] = []
+        # A rank stuck on a frozen replica peer cannot park (it never gets out of its torch call):
+        # past this grace it leaves, as without re-join.
+        self.park_grace_s = max(5.0, 2 * self.args.heartbeat_timeout_s)
 
     # -- set-up ----------------------------------------------------------------------------
     def setup_world(self) -> tuple[World, ParallelContext]:
@@ -170,12 +202,17 @@ class ForwardRecovery:
 
         from ..ft.comm import FaultTolerantComm  # MPI only here: the transaction itself needs none
 
-        check_world_size(self.cfg, MPI.COMM_WORLD.Get_size())
         p = self.cfg.parallelism
+        callbacks: dict[str, Any] = {
+            "on_leave": self._on_leave,
+            "on_failure_notice": self._on_failure_notice,
+            "park_orphans": self.rejoin_on,
+        }
+        if MPI.Comm.Get_parent() != MPI.COMM_NULL:
+            return self._setup_spawned(callbacks)
+        check_world_size(self.cfg, MPI.COMM_WORLD.Get_size())
         # A replica is p.inner x p.pp ranks: tp ranks (3D) or shard ranks (HSDP) along the inside.
-        self.ftc = FaultTolerantComm(
-            p.inner, p.pp, p.dp, on_leave=self._on_leave, on_failure_notice=self._on_failure_notice
-        )
+        self.ftc = FaultTolerantComm(p.inner, p.pp, p.dp, **callbacks)
         self.my_replica_ranks = set(self.ftc.topology.ranks_of_replica(self.ftc.replica))
         world = init_replica_world(self.ftc)
         ctx = ParallelContext.create(p.inner, p.pp, 1, world.device)
@@ -183,6 +220,34 @@ class ForwardRecovery:
         if self.ftc.rank == 0:
             self._write_rank_table()
         return world, ctx
+
+    def _setup_spawned(self, callbacks: dict[str, Any]) -> tuple[World, ParallelContext]:
+        """A process spawned by a re-join: take a dead rank's place, receive its replica's state
+        from a healthy replica, commit the join (or die with it), then build the replica's world."""
+        from ..ft.comm import FaultTolerantComm
+
+        p = self.cfg.parallelism
+        self.joining = True
+        self.ftc, pending = FaultTolerantComm.join_parent(p.inner, p.pp, p.dp, **callbacks)
+        payload = pending.payload
+        self.started = payload["started"]
+        self.step = self.last_step = payload["step"]
+        self.phase = "rejoin"
+        self.my_replica_ranks = set(self.ftc.topology.ranks_of_replica(self.ftc.replica))
+        self.injector = FaultInjector(self.args, self.ftc.rank, self.ftc.replica, self.run_dir)
+        self.injector.begin_step(self.step, list(payload["donors"]))
+        joined = self._finish_join(pending)
+        assert joined is not None  # an aborted join SIGKILLs a spawned process
+        self.joining = False
+        self._joined = joined
+        return joined.world, joined.ctx
+
+    def joined_state(self) -> JoinedState | None:
+        joined, self._joined = self._joined, None
+        return joined
+
+    def set_target(self, last_step: int) -> None:
+        self.target_step = last_step
 
     def _write_rank_table(self) -> None:
         """``<run_dir>/ranks.json``: host and pid of every rank, for operators (and tests)."""
@@ -239,18 +304,33 @@ class ForwardRecovery:
         """Watch thread: a member of my replica failed while I was outside MPI: my replica is lost."""
         mine = getattr(self, "my_replica_ranks", set())
         lost = sorted(mine.intersection(ranks))
-        if lost and not self.ftc.in_ft_operation:
-            self._leave("peer_error", f"replica peer rank(s) {lost} failed during {self.phase}")
+        if not lost or self.joining or self.ftc.in_ft_operation or self.ftc.parked:
+            return
+        why = f"replica peer rank(s) {lost} failed during {self.phase}"
+        if not self.rejoin_on:
+            self._leave("peer_error", why)
+        # Re-join keeps this rank: its torch world reports a crashed peer at once and the main
+        # thread parks. One stuck on a frozen peer never returns from torch: it leaves after a grace.
+        timer = threading.Timer(self.park_grace_s, self._leave_unless_parked, args=(why, self.ftc.epoch))
+        timer.daemon = True
+        timer.start()
+
+    def _leave_unless_parked(self, why: str, epoch: int) -> None:
+        # The survivors cannot shrink past this (alive) rank: while it has not parked, the epoch
+        # stays where it was. A changed epoch means it parked (and perhaps re-joined) meanwhile.
+        if self.ftc.epoch == epoch and not (self.parking or self.ftc.parked or self.ftc.in_ft_operation):
+            self._leave("peer_error", why + f"; not parked within {self.park_grace_s:.0f} s")
 
     def _on_watchdog_expire(self, reason: str) -> None:
         self._record("hang", message=reason)
 
     # -- roles -------------------------------------------------------------------------------
     def is_logger(self) -> bool:
-        return self.ftc.replica == min(self.ftc.alive_replicas) and self.ftc.local_rank == 0
+        return self.is_checkpoint_writer() and self.ftc.local_rank == 0
 
     def is_checkpoint_writer(self) -> bool:
-        return self.ftc.replica == min(self.ftc.alive_replicas)
+        # The longest-serving replica: a replica that re-joins never takes the roles over mid-run.
+        return not self.ftc.parked and self.ftc.replica == self.ftc.senior_replica
 
     def replica_id(self) -> int:
         return self.ftc.replica
@@ -262,13 +342,21 @@ class ForwardRecovery:
         try:
             with self.watchdog.phase(name, self.args.watchdog_timeout_s):
                 yield
+        except Exception as error:
+            if self.rejoin_on and is_peer_error(error):
+                self._park_now(f"{signature(error)} during {name}")
+            raise
         finally:
             self.phase = previous
 
     def check_member(self) -> None:
         """Before writing shared files: a rank removed from the job (frozen, then woken up) must not."""
-        if (self.run_dir / "fence" / f"rank{self.ftc.rank}").exists():
+        if self._fence_path(self.ftc.processes[self.ftc.rank]).exists():
             fail_stop(f"rank {self.ftc.rank} was removed from the job; not writing")
+
+    def _fence_path(self, info: Any) -> Path:
+        # Per process, not per rank: after a re-join the rank belongs to a new process.
+        return self.run_dir / "fence" / f"{info.host}-{info.pid}"
 
     def request_stop(self, stop: StopRun) -> None:
         """Stop the whole job at the next agree (the first request wins)."""
@@ -346,6 +434,8 @@ class ForwardRecovery:
                     break
         if kind == "peer_error":
             print(f"[nanotron-recover] rank {self.ftc.rank}: {sig}", file=sys.stderr, flush=True)
+            if self.rejoin_on:
+                self._park_now(message)
         else:
             traceback.print_exception(error)
         if (
@@ -369,7 +459,10 @@ class ForwardRecovery:
                 else:
                     dist.barrier()
         except Exception as e:
-            self._leave("peer_error", f"replica-consistency gate failed: {' '.join(str(e).split())[:300]}")
+            why = f"replica-consistency gate failed: {' '.join(str(e).split())[:300]}"
+            if self.rejoin_on:
+                self._park_now(why)
+            self._leave("peer_error", why)
 
     def _fill_bookkeeping(self, state: StepState, first_id: int) -> None:
         self.bookkeeping.zero_()
@@ -418,13 +511,16 @@ class ForwardRecovery:
                 _, stop = self.ftc.agree(True, stop=self._stop_bits())
                 break
             except WorldChanged as changed:
+                self._note_failure(step, changed.result)
+                if changed.result.parked:
+                    raise Parked(f"replica {self.ftc.replica} failed in step {step}") from None
                 self._recover_step(step, state, changed)
             except AllReplicasFailed as gone:
-                self._stop(step - 1, StopRun("too_few_replicas", str(gone)))
+                self._stop(step - 1, StopRun("too_few_replicas", str(gone)), announce=False)
         committed = time.perf_counter()
         if stop:
             self._log_incidents(state.incidents, committed)
-            self._stop(step - 1, self._agreed_stop(stop), known=False)
+            self._stop(step - 1, self._agreed_stop(stop), known=False, announce=False)
 
         counts = self.bookkeeping[: self.B]
         if not torch.all(counts == 1.0):
@@ -439,6 +535,7 @@ class ForwardRecovery:
             with self.local_phase("loss"):
                 dist.all_reduce(loss_sum)  # only the last stage's tp rank 0 holds losses
         self._log_incidents(state.incidents, committed)
+        self._flush_rejoin_records()
         extra: dict[str, Any] = {"world_epoch": self.ftc.epoch, "g_cur": state.plan.g, "g_ext": state.g_ext}
         return ReducedStep(
             loss=loss_sum.item() / self.B,
@@ -467,7 +564,8 @@ class ForwardRecovery:
     def _incident(
         self, step: int, result: RecoveryResult, action: str, lost: list[int], extra: int
     ) -> tuple[Incident, list[dict]]:
-        records = read_records(self.run_dir, list(result.failed_ranks), since=self.started)
+        pids = {r: self.ftc.processes[r].pid for r in result.failed_ranks}
+        records = read_records(self.run_dir, list(result.failed_ranks), since=self.started, pids=pids)
         causes = [r for r in records if r["kind"] != "peer_error"]
         incident = Incident(
             step=step,
@@ -486,6 +584,11 @@ class ForwardRecovery:
         result = changed.result
         surfaced = result.detected_at
         self.last_failure_view = (surfaced - result.detect_s, surfaced)
+        if not result.failed_replicas:
+            # Only parked ranks failed: no contribution is lost, but the world (epoch) changed.
+            self.restore_handle = self.reduction.restore(self.ftc.epoch, asynchronous=False)
+            self._wait_restore()
+            return
         rep = repair(state.plan, result.failed_replicas)
         check_coverage(rep.plan)  # a bad repair is caught before any extra micro-batch is computed
         state.plan = rep.plan
@@ -529,13 +632,13 @@ class ForwardRecovery:
             inc.compute_s += spent
 
     def _fence(self, failed_ranks: tuple[int, ...]) -> None:
-        """Mark removed ranks so that one that wakes up later writes nothing (see check_member)."""
+        """Mark removed processes so that one that wakes up later writes nothing (see check_member)."""
         if not self.is_logger():
             return
         for r in failed_ranks:
             try:
                 (self.run_dir / "fence").mkdir(exist_ok=True)
-                (self.run_dir / "fence" / f"rank{r}").touch()
+                self._fence_path(self.ftc.processes[r]).touch()
             except OSError:
                 pass
 
@@ -547,6 +650,252 @@ class ForwardRecovery:
 
     def after_step(self, step: int) -> None:
         self.last_step = step
+        if self.rejoin_on:
+            self._join_point(step)
+
+    # -- re-join -------------------------------------------------------------------------------
+    def _note_failure(self, step: int, result: RecoveryResult) -> None:
+        """Every member notes the replicas lost in this step alike (the re-join policy's input)."""
+        self.book.lost(result.failed_replicas, step)
+        for r in result.failed_replicas:
+            self.lost_wall[r] = result.detected_at
+
+    def _park_now(self, why: str) -> None:
+        """My replica lost a member while this rank is healthy: enter the recovery myself (which
+        wakes the peers waiting on me) and stay in the job, parked; raises :class:`Parked`."""
+        self.parking = True
+        # The shrink must see the peer's failure, or the replica would look whole: wait until this
+        # process's MPI knows of it (the runtime reports a crash within milliseconds).
+        watch = current_watch()
+        deadline = time.time() + self.park_grace_s
+        while (
+            watch is not None and not watch.known_failed() & self.my_replica_ranks and time.time() < deadline
+        ):
+            time.sleep(0.02)
+        try:
+            result = self.ftc.recover()
+        except AllReplicasFailed as gone:
+            self._stop(self.last_step, StopRun("too_few_replicas", str(gone)), announce=False)
+        self._note_failure(self.step, result)
+        if not result.parked:
+            self._leave("peer_error", why)  # my replica still stands but my torch world broke
+        print(f"[nanotron-recover] rank {self.ftc.rank} parked: {why[:160]}", file=sys.stderr, flush=True)
+        raise Parked(why)
+
+    def park(self) -> JoinedState:
+        """A parked rank: drop the broken replica world and follow the job until the replica re-joins."""
+        self.parking = True
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass  # the world is broken anyway; a new one is built on re-join
+        joined = self._follow()
+        self.parking = False
+        return joined
+
+    def _follow(self) -> JoinedState:
+        """Follow the active ranks' global agrees: stop, end or re-join with them."""
+        while True:
+            try:
+                stop, kind = self.ftc.follow()
+            except WorldChanged:
+                continue
+            except AllReplicasFailed as gone:
+                self._stop(self.last_step, StopRun("too_few_replicas", str(gone)), announce=False)
+            if stop:
+                self._stop(self.last_step, self._agreed_stop(stop), known=False, announce=False)
+            if kind == "finish":
+                self.close()  # exits
+            if kind == "join":
+                joined = self._join(None, self.last_step)
+                if joined is not None:
+                    return joined
+
+    def _join_point(self, step: int) -> None:
+        """At the boundary after ``step``: bring back the replicas the policy says are due."""
+        r = self.rejoin
+        while True:
+            decision = due_replicas(
+                self.book,
+                step,
+                self.target_step,
+                self.ftc.alive_replicas,
+                after_steps=r.after_steps,
+                max_spawns=r.max_spawns,
+                max_failures_per_replica=r.max_failures_per_replica,
+            )
+            for replica in decision.give_up:
+                self.book.given_up.append(replica)
+                self._log_rejoin(
+                    step,
+                    {
+                        "status": "given_up",
+                        "replicas": [replica],
+                        "reason": (
+                            f"replica {replica} was lost {self.book.losses.get(replica, 0)} times "
+                            f"(recover.rejoin.max_failures_per_replica={r.max_failures_per_replica})"
+                        ),
+                    },
+                )
+            if not decision.replicas:
+                return
+            try:
+                self.phase = "rejoin"
+                self.ftc.agree(True, kind="join")
+                break
+            except WorldChanged as changed:
+                self._note_failure(step, changed.result)
+                if changed.result.parked:
+                    raise Parked(f"replica {self.ftc.replica} failed after step {step}") from None
+                incident, records = self._incident(step, changed.result, "none", [], 0)
+                self._fence(changed.result.failed_ranks)
+                self._log_incidents([incident], time.perf_counter())
+                stopping = [rec for rec in records if rec["kind"] in RECORD_STOP_KINDS]
+                if stopping:
+                    self._stop(step, StopRun(stopping[0]["kind"], stopping[0].get("message", "")))
+                if len(self.ftc.alive_replicas) < self.args.min_replicas:
+                    why = (
+                        f"{len(self.ftc.alive_replicas)} replicas left, below "
+                        f"recover.min_replicas={self.args.min_replicas}"
+                    )
+                    self._stop(step, StopRun("too_few_replicas", why), save=True)
+            except AllReplicasFailed as gone:
+                self._stop(step, StopRun("too_few_replicas", str(gone)), announce=False)
+        self._join(decision.replicas, step)
+
+    def spawn_command(self) -> list[str]:
+        """How a replacement process starts: this rank's own command line, through the CLI."""
+        return [sys.executable, "-m", "nanotron_recover.cli", *sys.argv[1:]]
+
+    def spawn_info(self) -> dict[str, str]:
+        info = {"wdir": os.getcwd()}
+        if self.rejoin.hosts:
+            info["host"] = ",".join(self.rejoin.hosts)
+        if self.rejoin.hostfile:
+            info["hostfile"] = str(self.rejoin.hostfile)
+        return info
+
+    def _join(self, replicas: tuple[int, ...] | None, step: int) -> JoinedState | None:
+        """One re-join on a member: active ranks pass the due ``replicas``, parked ranks None (the
+        root's plan reaches them). Returns the new state on a reused parked rank of a replica that
+        came back, None elsewhere and on an abort."""
+        plan = None
+        if replicas is not None:
+            members = set(self.ftc.members)
+            ranks = [r for rep in replicas for r in self.ftc.topology.ranks_of_replica(rep)]
+            plan = JoinPlan(
+                replicas=tuple(replicas),
+                new_ranks=tuple(r for r in ranks if r not in members),
+                reused_ranks=tuple(r for r in ranks if r in members),
+            )
+        payload = {
+            "step": step,
+            "started": self.started,
+            "book": self.book.as_dict(),
+            "donors": self.ftc.alive_replicas,
+        }
+        self.phase = "rejoin"
+        self.joining_since = time.perf_counter()
+        if not self.ftc.parked:
+            self.injector.maybe_fail("rejoin", 0)
+        try:
+            pending = self.ftc.begin_join(plan, self.spawn_command(), self.spawn_info(), payload)
+        except JoinFailed as failed:
+            if replicas is not None:
+                self.book.attempted(list(replicas), step, joined=False, spawn_failed=True)
+                self._log_rejoin(
+                    step, {"status": "failed", "replicas": list(replicas), "reason": str(failed)}
+                )
+            return None
+        return self._finish_join(pending)
+
+    def _finish_join(self, pending: Any) -> JoinedState | None:
+        """Steps 4-5 of a re-join, alike on members and spawned processes: move the state, commit,
+        and on the re-joining replica build its torch world."""
+        from mpi4py import MPI
+
+        plan, payload = pending.plan, pending.payload
+        me = self.ftc.replica
+        donors, rejoining = list(payload["donors"]), list(plan.replicas)
+        transfer = TransferResult(pending.ok, None, 0, 0.0)
+        if pending.ok and pending.dp_comm is not None:
+            transfer = transfer_state(
+                pending.dp_comm,
+                me,
+                donors,
+                rejoining,
+                export=lambda: self.parts.engine.export_state(),
+                fault_point=lambda: self.injector.maybe_fail("rejoin", 1),
+            )
+        ok = transfer.ok
+        stats = []
+        if ok:
+            try:
+                received = transfer.state_bytes if me in rejoining else 0
+                stats = pending.merged.allgather((received, transfer.seconds))
+            except MPI.Exception:
+                ok = False
+                try:
+                    pending.merged.Revoke()
+                except MPI.Exception:
+                    pass
+        committed = self.ftc.commit_join(pending, ok)  # a spawned process dies here on an abort
+        self.book = RejoinBook.from_dict(payload["book"])
+        self.book.attempted(rejoining, payload["step"], committed)
+        record: dict[str, Any] = {"status": "joined" if committed else "failed", "replicas": rejoining}
+        if committed:
+            record.update(
+                spawned_ranks=list(plan.new_ranks),
+                orphans_reused=list(plan.reused_ranks),
+                state_bytes=int(sum(b for b, _ in stats)),
+                transfer_s=max((t for _, t in stats), default=0.0),
+                spawn_s=pending.spawn_s,
+                join_s=time.time()
+                - min((self.lost_wall.get(r, time.time()) for r in rejoining), default=time.time()),
+                epoch=self.ftc.epoch,
+            )
+        else:
+            record["reason"] = "a member failed during the re-join"
+        self._log_rejoin(payload["step"], record)
+        if committed:
+            self._flush_rejoin_records()
+        if not committed or me not in rejoining:
+            return None
+        world = init_replica_world(self.ftc)
+        p = self.cfg.parallelism
+        ctx = ParallelContext.create(p.inner, p.pp, 1, world.device)
+        self.my_replica_ranks = set(self.ftc.topology.ranks_of_replica(me))
+        self.step = self.last_step = payload["step"]
+        return JoinedState(step=payload["step"], engine_state=transfer.received, world=world, ctx=ctx)
+
+    def _log_rejoin(self, step: int, fields: dict[str, Any]) -> None:
+        """A ``rejoin`` incident (joined, failed or given up), written at the next commit."""
+        self.rejoin_records.append({"step": step, "kind": "rejoin", **fields})
+
+    def _flush_rejoin_records(self) -> None:
+        records, self.rejoin_records = self.rejoin_records, []
+        if self.is_logger():
+            for record in records:
+                self._write_rejoin(record)
+
+    def _write_rejoin(self, record: dict[str, Any]) -> None:
+        fields, step = record, record["step"]
+        record = {**record, "alive_replicas": self.ftc.alive_replicas}
+        try:
+            self.incident_log.write(record)
+        except OSError as e:
+            print(f"[nanotron-recover] incident not logged: {e}", file=sys.stderr, flush=True)
+        self.parts.log_incident(record)
+        if fields["status"] == "joined":
+            line = (
+                f"replicas {record['replicas']} re-joined after step {step}: {len(record['spawned_ranks'])} "
+                f"spawned, {len(record['orphans_reused'])} reused, {record['state_bytes'] / 2**20:.1f} MiB in "
+                f"{record['transfer_s']:.2f} s; {len(self.ftc.alive_replicas)} replicas"
+            )
+        else:
+            line = f"re-join of replicas {record['replicas']} {fields['status'].replace('_', ' ')}: {fields.get('reason', '')}"
+        self.parts.write_line(f"[nanotron-recover] step {step}: {line}")
 
     # -- reporting and stopping ----------------------------------------------------------------
     def _detect(self, inc: Incident) -> tuple[float | None, str]:
@@ -603,13 +952,25 @@ class ForwardRecovery:
     def _write_outcome(self, status: str, last_step: int, stop: StopRun | None) -> bool:
         return self.parts.write_outcome(status, last_step, stop)
 
-    def _stop(self, last_step: int, stop: StopRun, save: bool = False, known: bool = True) -> None:
+    def _stop(
+        self, last_step: int, stop: StopRun, save: bool = False, known: bool = True, announce: bool = True
+    ) -> None:
         """Stop the whole job: every survivor calls this after the same agree or recovery.
 
         With ``save`` (too few replicas) the checkpoint writer first saves the last committed step
         synchronously, so the checkpoint the message names exists when the job has ended. The
         message is known only where the cause was met; one allgather gives it to everyone, the
         logging rank records the outcome and says it in one line, and all exit with its status."""
+        if announce and self.rejoin_on:
+            # Parked ranks learn of a stop the active ranks decided on their own from an agree.
+            while True:
+                try:
+                    self.ftc.agree(True, stop=STOP_BITS[stop.kind], kind="stop")
+                    break
+                except WorldChanged:
+                    continue
+                except AllReplicasFailed:
+                    break
         message = stop.message
         knows_cause = self.pending_stop is not None and self.pending_stop.kind == stop.kind
         # A stop agreed in the step agree (known=False) carries only its kind: the message is with the
@@ -666,10 +1027,13 @@ class ForwardRecovery:
         while True:
             try:
                 self.phase = "finish"
-                _, stop = self.ftc.agree(True, stop=self._stop_bits())
+                _, stop = self.ftc.agree(True, stop=self._stop_bits(), kind="finish")
                 break
             except WorldChanged as changed:
                 result = changed.result
+                self._note_failure(last_step, result)
+                if result.parked:
+                    self._follow()  # never returns: the end (or a stop) comes through the agrees
                 self.last_failure_view = (result.detected_at - result.detect_s, result.detected_at)
                 incident, records = self._incident(last_step, result, "none", [], 0)
                 self._fence(result.failed_ranks)
@@ -680,9 +1044,10 @@ class ForwardRecovery:
                 if resave is not None and self.is_checkpoint_writer():
                     resave(last_step)
             except AllReplicasFailed as gone:
-                self._stop(last_step, StopRun("too_few_replicas", str(gone)))
+                self._stop(last_step, StopRun("too_few_replicas", str(gone)), announce=False)
         if stop:
-            self._stop(last_step, self._agreed_stop(stop), known=False)
+            self._stop(last_step, self._agreed_stop(stop), known=False, announce=False)
+        self._flush_rejoin_records()
         if self.is_logger():
             self.check_member()
             self._write_outcome("completed", last_step, None)
