@@ -24,6 +24,8 @@ Nothing here imports ``mpi4py``.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -33,11 +35,14 @@ from typing import Any
 
 import torch
 
+from nanotron_recover.ft.processes import ProcessInfo
 from nanotron_recover.ft.records import write_record
 from nanotron_recover.ft.topology import Topology
 from nanotron_recover.ft.world import AllReplicasFailed, RecoveryResult, StaleEpoch, WorldChanged
 from nanotron_recover.policy import StepPlan, repair, steady_plan
 
+# Made-up pids of the other ranks (far above any real pid on this machine).
+FAKE_PID = 10**9
 # The failure views the simulated survivors report in the bookkeeping, relative to the moment the
 # failure surfaced on this replica (``detected_at``): their failing operation began OTHERS_BEGAN_S
 # before it and raised OTHERS_SURFACED_S before it. On this replica the operation ran DETECT_S.
@@ -102,7 +107,13 @@ class FakeComm:
         self.faults = list(self.faults)
         self._alive = sorted(range(self.W) if self.alive is None else self.alive)
         self.in_ft_operation = False
-        self.processes: list[Any] = []
+        # One process per rank: this test's own for me, made-up pids for the others (fences and
+        # failure records name processes).
+        self.processes = [
+            ProcessInfo(r, socket.gethostname(), os.getpid() if r == self.me else FAKE_PID + r, None)
+            for r in range(self.W)
+        ]
+        self.parked = False
         self.global_comm = FakeGlobalComm(self)
         self._bound: dict[str, torch.Tensor] = {}
         self.step: int | None = None
@@ -132,6 +143,10 @@ class FakeComm:
     @property
     def alive_replicas(self) -> list[int]:
         return list(self._alive)
+
+    @property
+    def senior_replica(self) -> int:
+        return min(self._alive)  # no re-join here: every replica has served since the start
 
     def allreduce_(self, buf: torch.Tensor, epoch: int) -> None:
         if epoch != self.epoch:
@@ -217,7 +232,12 @@ class FakeComm:
         if fault.record is not None:
             assert self.run_dir is not None, "a fault with a record needs run_dir"
             for rank in failed_ranks:
-                record = {"rank": rank, "replica": self.topology.replica_of(rank), "step": self.step}
+                record = {
+                    "rank": rank,
+                    "replica": self.topology.replica_of(rank),
+                    "step": self.step,
+                    "pid": self.processes[rank].pid,
+                }
                 write_record(
                     self.run_dir, f"step{self.step}_{op}{index}_rank{rank}", {**record, **fault.record}
                 )

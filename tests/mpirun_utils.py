@@ -6,10 +6,12 @@ SIGKILL, so no rank outlives the test and nothing else on the machine is touched
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,3 +93,66 @@ def layout(tp: int, pp: int, dp: int, g: int, engine: str = "1f1b") -> list[str]
         f"tokens.batch_accumulation_per_replica={g}",
         f"parallelism.pp_engine={engine}",
     ]
+
+
+class BackgroundJob:
+    """``nanotron-recover ARGS`` running in the background (its own session), so a test can signal
+    its ranks from outside while it runs."""
+
+    def __init__(self, run_dir: Path, args: list[str]):
+        self.run_dir = run_dir
+        program = [sys.executable, "-m", "nanotron_recover.cli", *args]
+        self.proc = subprocess.Popen(
+            program,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=single_rank_env(),
+            cwd=REPO,
+            start_new_session=True,
+        )
+
+    def wait_until(self, condition, what: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"job ended before {what}:\n{self.proc.stdout.read()[-3000:]}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"timed out waiting for {what}")
+            time.sleep(0.002)
+
+    def committed(self) -> int:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return 0
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        try:
+            return json.loads(lines[-1])["step"] if lines else 0
+        except ValueError:
+            return 0  # a line being written
+
+    def pid(self, rank: int) -> int:
+        self.wait_until(lambda: (self.run_dir / "ranks.json").exists(), "the rank table")
+        table = json.loads((self.run_dir / "ranks.json").read_text())
+        return next(r["pid"] for r in table if r["rank"] == rank)
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def finish(self, timeout: float = 240.0) -> Completed:
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            out, _ = self.proc.communicate()
+            raise AssertionError(f"job timed out:\n{out[-4000:]}") from None
+        return Completed(self.proc.returncode, out, "")
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")

@@ -9,12 +9,14 @@ identical parameters.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
 import pytest
 from curves import assert_replicas_identical, assert_same_curve
-from mpirun_utils import REPO, check, layout, run_cli, run_process
+from mpirun_utils import REPO, BackgroundJob, check, layout, process_exists, run_cli, run_process
 
 from nanotron_recover.launcher import mpirun_command
 from nanotron_recover.logging import read_incidents, read_metrics
@@ -180,6 +182,38 @@ def test_tp2_rank_lost_one_process_spawned_its_partner_reused(tmp_path, tmp_path
     (joined,) = rejoins(tmp_path)
     assert joined["replicas"] == [1] and joined["spawned_ranks"] == [3] and joined["orphans_reused"] == [2]
     assert_replicas_identical(tmp_path, [0, 1])
+
+
+@pytest.mark.mpi
+def test_spawned_process_killed_from_outside(tmp_path, tmp_path_factory, local_dataset):
+    """``launch`` with re-join; the test SIGKILLs the spawned rank 1 from outside as soon as the rank
+    table shows it, at a moment the code does not choose: its replica is lost again and comes back
+    again, and the run completes (exit 0) at full width with the plain run's curve."""
+    steps = 9
+    corpus = local_dataset.corpus_dir
+    faults = [{"step": 2, "replica": 1, "phase": "forward"}]
+    sets = sets_for(tmp_path, corpus, steps) + layout(1, 1, 4, 2) + rejoin_sets(faults)
+    job = BackgroundJob(tmp_path, ["launch", *train_args(tmp_path, sets)[1:]])
+    first = job.pid(1)
+
+    def spawned() -> int | None:
+        try:
+            pid = job.pid(1)
+        except (ValueError, KeyError):
+            return None  # the table being replaced
+        return pid if pid != first else None
+
+    job.wait_until(lambda: spawned() is not None, "a spawned rank 1 in the rank table")
+    victim = spawned()
+    os.kill(victim, signal.SIGKILL)
+    result = job.finish()
+    assert result.returncode == 0, result.output[-3000:]
+    got = read_metrics(tmp_path)
+    assert_same_curve(got, plain_curve(tmp_path_factory, corpus, steps))
+    assert got[-1]["replicas"] == 4
+    assert [j["replicas"] for j in rejoins(tmp_path)] == [[1], [1]]
+    assert not process_exists(victim) and job.pid(1) not in (first, victim)
+    assert_replicas_identical(tmp_path, [0, 1, 2, 3])
 
 
 @pytest.mark.mpi

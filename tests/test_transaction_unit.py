@@ -254,7 +254,8 @@ def test_replica_lost_mid_step_still_sums_the_full_batch(tmp_path, where):
     assert incident["recover_s"] >= 0.0 and incident["redo_s"] >= 0.0
     assert read_incidents(tmp_path) == job.incidents
     assert len(job.lines) == 1 and "replicas [3] failed" in job.lines[0]
-    assert (tmp_path / "fence" / "rank3").exists()
+    dead = job.comm.processes[3]  # the fence names the failed process, not its rank
+    assert (tmp_path / "fence" / f"{dead.host}-{dead.pid}").exists()
 
     # The next step plans for the 3 survivors: G = ceil(8/3) = 3, two Majors and a Minor.
     reduced = job.step(2)

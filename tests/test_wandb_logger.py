@@ -134,6 +134,21 @@ INCIDENT = {
     "alive_replicas": [0, 2, 3],
 }
 
+REJOIN = {
+    "step": 3,
+    "kind": "rejoin",
+    "status": "joined",
+    "replicas": [1],
+    "spawned_ranks": [2, 3],
+    "orphans_reused": [],
+    "state_bytes": 1024,
+    "transfer_s": 0.25,
+    "spawn_s": 2.5,
+    "join_s": 4.0,
+    "epoch": 2,
+    "alive_replicas": [0, 1, 2, 3],
+}
+
 
 def test_run_names() -> None:
     assert run_name_for("plain") == "plain"
@@ -201,6 +216,7 @@ def test_offline_run_round_trip(tmp_path: Path) -> None:
     logger.log_incident(INCIDENT)  # the trainer reports a step's incidents before its metrics
     logger.log_step(_record(2, losses[2]))
     logger.log_step(_record(2, 99.0))  # a replayed step is skipped
+    logger.log_incident(REJOIN)
     logger.log_step(_record(3, losses[3]))
     logger.finish()
     logger.finish()  # idempotent
@@ -234,14 +250,25 @@ def test_offline_run_round_trip(tmp_path: Path) -> None:
     assert history[2]["incident/recover_s"] == pytest.approx(0.125)
     assert history[2]["incident/count"] == 1
     assert "incident/detect_s" not in history[2]  # null: not injected, unknown
-    assert all("incident/failed_replicas" not in history[s] for s in (1, 3))
+    assert "incident/failed_replicas" not in history[1]
     assert run["summary"]["ids_digest"] == "digest3"
     assert run["summary"]["loss"] == pytest.approx(4.0)
 
-    (table_file,) = (run["dir"] / "files" / "media" / "table").glob("incidents_*.table.json")
-    table = json.loads(table_file.read_text())
+    # The table is re-logged whole with every incident: the last one holds every row.
+    tables = [
+        json.loads(f.read_text())
+        for f in (run["dir"] / "files" / "media" / "table").glob("incidents_*.table.json")
+    ]
+    table = max(tables, key=lambda t: len(t["data"]))
     assert table["columns"] == wandb_logger.INCIDENT_COLUMNS
-    assert table["data"] == [[2, "backward", "promote_spare", "1", "2,3", 3, 1, 2, 2, None, 0.125]]
+    assert table["data"] == [
+        [2, "backward", "promote_spare", "1", "2,3", 3, 1, 2, 2, None, 0.125],
+        [3, "rejoin", "joined", "", "", 4, 2, 0, None, None, None],
+    ]
+    assert history[3]["incident/count"] == 2
+    assert history[3]["incident/alive_replicas"] == 4
+    for key in ("state_bytes", "transfer_s", "spawn_s", "join_s"):
+        assert history[3][f"incident/{key}"] == pytest.approx(REJOIN[key]), key
 
 
 @needs_wandb

@@ -242,8 +242,8 @@ class RunLogger:
         step = int(record["step"])
         row = [
             step,
-            str(record.get("phase", "")),
-            str(record.get("action", "")),
+            str(record.get("phase", record.get("kind", ""))),  # a re-join has no phase: its kind
+            str(record.get("action", record.get("status", ""))),
             _as_text(record.get("failed_replicas")),
             _as_text(record.get("failed_ranks")),
             len(record.get("alive_replicas") or []),
@@ -262,7 +262,10 @@ class RunLogger:
         }
         if record.get("alive_replicas") is not None:
             metrics["incident/alive_replicas"] = row[5]
-        for key in ("epoch", "extra_microbatches", "detect_s", "recover_s", "shrink_s", "stall_s", "restart"):
+        keys = ("epoch", "extra_microbatches", "detect_s", "recover_s", "shrink_s", "stall_s", "restart")
+        # A re-join's own measures (kind rejoin): the state it moved and how long it took.
+        keys += ("state_bytes", "transfer_s", "spawn_s", "join_s")
+        for key in keys:
             value = record.get(key)
             if _is_number(value) and math.isfinite(value):
                 metrics[f"incident/{key}"] = value

@@ -250,15 +250,19 @@ class ForwardRecovery:
         self.target_step = last_step
 
     def _write_rank_table(self) -> None:
-        """``<run_dir>/ranks.json``: host and pid of every rank, for operators (and tests)."""
+        """``<run_dir>/ranks.json``: host and pid of every rank, for operators (and tests); rewritten
+        (atomically) when a re-join puts new processes in the grid."""
         import json
 
         table = [
             {**info.as_dict(), "replica": self.ftc.topology.replica_of(info.rank)}
             for info in self.ftc.processes
         ]
+        path = self.run_dir / "ranks.json"
         try:
-            (self.run_dir / "ranks.json").write_text(json.dumps(table, indent=1) + "\n")
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(table, indent=1) + "\n")
+            os.replace(tmp, path)
         except OSError:
             pass
 
@@ -860,6 +864,8 @@ class ForwardRecovery:
         self._log_rejoin(payload["step"], record)
         if committed:
             self._flush_rejoin_records()
+            if self.is_logger():
+                self._write_rank_table()
         if not committed or me not in rejoining:
             return None
         world = init_replica_world(self.ftc)
