@@ -166,14 +166,24 @@ def test_kill_a_replica_every_three_steps_and_grow_back_each_time(tmp_path, tmp_
     assert_replicas_identical(tmp_path, [0, 1, 2, 3])
 
 
+# Two ranks per replica: tensor parallel, or an HSDP shard group (FSDP2 inside the replica).
+TWO_RANK_REPLICAS = {
+    "tp2": layout(2, 1, 2, 4),
+    "hsdp": ["parallelism.dp=2", "parallelism.dp_shard=2", "tokens.batch_accumulation_per_replica=4"],
+}
+
+
 @pytest.mark.mpi
-def test_tp2_rank_lost_one_process_spawned_its_partner_reused(tmp_path, tmp_path_factory, local_dataset):
-    """dp=2, tp=2: one rank of replica 1 dies; its tp partner parks, is reused, and exactly one
-    process is spawned for the dead rank."""
+@pytest.mark.parametrize("replica", sorted(TWO_RANK_REPLICAS))
+def test_one_rank_lost_one_process_spawned_its_partner_reused(
+    tmp_path, tmp_path_factory, local_dataset, replica
+):
+    """dp=2 replicas of two ranks: one rank of replica 1 dies; its partner parks, is reused, and
+    exactly one process is spawned for the dead rank."""
     steps = 9
     corpus = local_dataset.corpus_dir
-    faults = [{"step": 3, "rank": 3, "phase": "forward"}]
-    sets = sets_for(tmp_path, corpus, steps) + layout(2, 1, 2, 4) + rejoin_sets(faults)
+    faults = [{"step": 3, "rank": 3, "phase": "backward", "microbatch": 1}]
+    sets = sets_for(tmp_path, corpus, steps) + TWO_RANK_REPLICAS[replica] + rejoin_sets(faults)
     result = check(run_cli(train_args(tmp_path, sets), nproc=4, timeout=300))
     assert "rank 2 parked" in result.output
     got = read_metrics(tmp_path)
