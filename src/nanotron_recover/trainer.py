@@ -86,9 +86,13 @@ class DistributedTrainer:
         if joined is not None:
             # Spawned into a running job (re-join): the state comes from a healthy replica, and the
             # job's start-up checks are long past.
-            for stage in cfg.data_stages:
-                self.source_for(max(stage.start_training_step, 1))
-            self.start_step = self._adopt(joined)
+            try:
+                for stage in cfg.data_stages:
+                    self.source_for(max(stage.start_training_step, 1))
+                self.start_step = self._adopt(joined)
+            except BaseException as error:
+                self.dp_mode.abort(error)  # an exception exit would leave the job waiting for us
+                raise
         else:
             try:
                 self.engine: ModelEngine = build_model_engine(cfg, self.world, self.ctx)
@@ -276,8 +280,13 @@ class DistributedTrainer:
                     # My replica failed, I did not: wait for it to re-join, then go on from the
                     # state a healthy replica sends (or the run ends while parked: park exits).
                     self._pending_save = None
-                    step = self._adopt(self.dp_mode.park()) + 1
-                    self._attach()
+                    self._stop_reporting()  # a later logging role starts from the file, not from here
+                    try:
+                        step = self._adopt(self.dp_mode.park()) + 1
+                        self._attach()
+                    except Exception as error:
+                        self.dp_mode.abort(error)
+                        raise
                     continue
                 step += 1
             try:
@@ -302,6 +311,16 @@ class DistributedTrainer:
         path = folder / f"replica{self.dp_mode.replica_id()}_{self.engine.digest_name}.sha256"
         path.write_text(digest + "\n")
         return path
+
+    def _stop_reporting(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        self.run_logger.finish()
+        self.run_logger = RunLogger()
+        self.progress.close()
+        self.progress = Progress(0, enabled=False)
+        self._history.clear()
 
     def _start_reporting(self, truncate_after_step: int | None = None) -> None:
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", truncate_after_step=truncate_after_step)

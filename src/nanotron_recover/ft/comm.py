@@ -91,16 +91,20 @@ re-joins.
 
 Protocol of a re-join (:meth:`FaultTolerantComm.begin_join`, :meth:`commit_join`)
 ------------------------------------------------------------------------------
-At a step boundary every member of the global communicator (survivors and parked ranks) agrees,
-from state they all hold, on the replicas to bring back and the logical ranks to spawn (the ranks
-of those replicas that are not members any more). Then, collectively:
+At a step boundary the active ranks decide, from state they all hold, which replicas come back and
+which logical ranks to spawn (the ranks of those replicas that are not members any more); an agree
+of kind ``join`` tells the parked ranks. Then, collectively over the global communicator:
 
-1. ``Spawn`` of one process per missing rank from the global communicator (a spawn that cannot
-   start, e.g. no free slot, fails on every parent alike: :class:`JoinFailed`, nothing changed);
-2. ``Merge`` of the intercommunicator into ``merged`` (the spawned processes come last), and a
-   header broadcast from rank 0: the plan, the epoch, the membership and the caller's payload;
-   spawned process ``k`` takes logical rank ``new_ranks[k]``, i.e. the place of a dead rank in the
-   grid (the grid of :mod:`.topology` never changes; only the process behind a logical rank does);
+1. the *header* (the plan, the epoch, the membership and the caller's payload) is broadcast from the
+   root, the lowest alive rank, so parked ranks learn the plan;
+2. ``Spawn`` of one process per missing rank from the root, then ``Merge`` of the
+   intercommunicator into ``merged`` (the spawned processes come last) and the header broadcast to
+   them; spawned process ``k`` takes logical rank ``new_ranks[k]``, i.e. the place of a dead rank
+   in the grid (the grid of :mod:`.topology` never changes; only the process behind a logical rank
+   does). Spawn and Merge can fail on some members only, so after the header, the spawn and the
+   merge the members agree on the stage's outcome: a stage that failed anywhere raises
+   :class:`JoinFailed` everywhere (``could_not_start`` when the spawn itself could not start: no
+   free slot, unknown host, missing command), and nothing changed;
 3. an allgather of (logical rank, process) and the replica and DP splits of ``merged``, with the
    re-joining replicas' ranks now active, plus the failure watch's own duplicate;
 4. the caller moves the replica state over the new DP communicators (``recovery/state_transfer.py``);
@@ -471,11 +475,12 @@ class FaultTolerantComm:
         )
         return bool(value & _FLAG), _STOP_BITS & ~(value >> _STOP_SHIFT)
 
-    def follow(self) -> tuple[int, str]:
+    def follow(self, stop: int = 0) -> tuple[int, str]:
         """A parked rank's side of the next global agree: ``(stop bits, kind)`` of what the active
-        ranks agreed; raises :class:`WorldChanged` like :meth:`agree`."""
+        ranks agreed (plus ``stop``, a stop this rank requested before it parked); raises
+        :class:`WorldChanged` like :meth:`agree`."""
         value = self._agree_value(
-            _FLAG | _NO_RECOVERY | (_STOP_BITS << _STOP_SHIFT) | (_KIND_MASK << _KIND_SHIFT)
+            _FLAG | _NO_RECOVERY | ((_STOP_BITS & ~stop) << _STOP_SHIFT) | (_KIND_MASK << _KIND_SHIFT)
         )
         kinds = ~(value >> _KIND_SHIFT) & _KIND_MASK
         kind = next((k for i, k in enumerate(AGREE_KINDS) if kinds & (1 << i)), "step")
@@ -725,6 +730,25 @@ class FaultTolerantComm:
         return result
 
     # ------------------------------------------------------------------- re-join
+    def _join_stage_agree(
+        self, ok: bool, stage: str, error: BaseException | None, could_not_start: bool = False
+    ) -> None:
+        """One stage of a join, agreed: returns on every member, or raises :class:`JoinFailed` on
+        every member. A member's death makes the agree itself fail (uniformly); a stage that failed
+        without one (a spawn that cannot start) gives 0 to all."""
+        why = f": {error.Get_error_string()}" if isinstance(error, MPI.Exception) else ""
+        try:
+            agreed = self._global.Agree(1 if ok else 0) & 1
+        except MPI.Exception as exc:
+            if not is_fault(exc):
+                raise
+            raise JoinFailed(f"a member failed {stage}{why}") from exc
+        if not agreed:
+            raise JoinFailed(
+                f"{'the spawn could not start' if could_not_start else 'a member failed ' + stage}{why}",
+                could_not_start=could_not_start,
+            )
+
     def begin_join(
         self, plan: JoinPlan | None, command: list[str], info: dict[str, str], payload: Any
     ) -> PendingJoin:
@@ -756,34 +780,52 @@ class FaultTolerantComm:
                     "logical": self._logical,
                     "payload": payload,
                 }
+            # Spawn and Merge are not uniform (they can fail on some members only): after each
+            # stage the members agree on its outcome on the global communicator before going on,
+            # so every member leaves the join at the same stage, with the same reason.
+            error = None
             try:
                 header = self._global.bcast(header, root=root)
             except MPI.Exception as exc:
                 if not is_fault(exc):
                     raise
-                raise JoinFailed(f"a member failed before the spawn: {exc.Get_error_string()}") from exc
+                error = exc
+            self._join_stage_agree(error is None, "before the spawn", error)
             plan = header["plan"]
             mpi_info = MPI.Info.Create()
             for key, value in header["info"].items():
                 mpi_info.Set(key, value)
+            inter = None
             try:
                 cmd = header["command"]
                 inter = self._global.Spawn(
                     cmd[0], cmd[1:], maxprocs=len(plan.new_ranks), info=mpi_info, root=root
                 )
+                inter.Set_errhandler(MPI.ERRORS_RETURN)
             except MPI.Exception as exc:
-                raise JoinFailed(
-                    f"spawn of {len(plan.new_ranks)} process(es) failed: {exc.Get_error_string()}"
-                ) from exc
+                error = exc
             finally:
                 mpi_info.Free()
-            inter.Set_errhandler(MPI.ERRORS_RETURN)
+            try:
+                self._join_stage_agree(error is None, "during the spawn", error, could_not_start=True)
+            except JoinFailed:
+                _revoke(inter)  # spawned processes waiting in their Merge die (fail_stop)
+                _free(inter)
+                raise
+            merged = None
             try:
                 merged = inter.Merge(high=False)
+                merged.Set_errhandler(MPI.ERRORS_RETURN)
             except MPI.Exception as exc:
-                raise JoinFailed(f"merging the spawned processes failed: {exc.Get_error_string()}") from exc
-            finally:
-                _free(inter)
+                error = exc
+            try:
+                self._join_stage_agree(error is None, "while merging", error)
+            except JoinFailed:
+                for comm in (merged, inter):
+                    _revoke(comm)
+                    _free(comm)
+                raise
+            _free(inter)
             merged.Set_errhandler(MPI.ERRORS_RETURN)
             try:
                 merged.bcast(header if merged.Get_rank() == 0 else None, root=0)  # to the spawned ones
@@ -910,8 +952,6 @@ class FaultTolerantComm:
         rebase_watch(pending.watch_comm, pending.logical)
         return True
 
-
-# The name this error had before it moved to .world; kept until every importer uses the new one.
 
 __all__ = [
     "FAULT_ERROR_CLASSES",

@@ -32,7 +32,7 @@ class RecoveryResult:
     old_epoch: int
     new_epoch: int
     failed_replicas: tuple[int, ...]
-    failed_ranks: tuple[int, ...]  # initial (launch communicator) ranks
+    failed_ranks: tuple[int, ...]  # logical ranks (grid positions)
     alive_replicas: tuple[int, ...]
     trigger: str  # "allreduce", "agree" or "manual"
     detect_s: float  # how long the failing operation ran before it raised (0.0 for "manual")
@@ -90,7 +90,14 @@ class JoinPlan:
 
 
 class JoinFailed(FTError):
-    """A re-join did not commit (the spawn failed, or a member failed during it); nothing changed."""
+    """A re-join did not commit (the spawn failed, or a member failed during it); nothing changed.
+
+    ``could_not_start``: the spawn itself could not start (no free slot, unknown host, missing
+    command), a lack of resources rather than a fault; the same on every member."""
+
+    def __init__(self, message: str, could_not_start: bool = False) -> None:
+        super().__init__(message)
+        self.could_not_start = could_not_start
 
 
 __all__ = [

@@ -192,6 +192,7 @@ class ForwardRecovery:
         # Re-join incidents wait for the next commit: the logging rank may be the one a failed
         # join lost, and its successor is known only then.
         self.rejoin_records: list[dict[str, Any]] = []
+        self.told_out_of_spawns = False
         # A rank stuck on a frozen replica peer cannot park (it never gets out of its torch call):
         # past this grace it leaves, as without re-join.
         self.park_grace_s = max(5.0, 2 * self.args.heartbeat_timeout_s)
@@ -229,6 +230,14 @@ class ForwardRecovery:
         p = self.cfg.parallelism
         self.joining = True
         self.ftc, pending = FaultTolerantComm.join_parent(p.inner, p.pp, p.dp, **callbacks)
+        try:
+            return self._join_as_spawned(pending)
+        except BaseException as error:
+            # An exception exit would not be reported to the job, which would wait for this process.
+            self.abort(error)
+            raise
+
+    def _join_as_spawned(self, pending: Any) -> tuple[World, ParallelContext]:
         payload = pending.payload
         self.started = payload["started"]
         self.step = self.last_step = payload["step"]
@@ -238,7 +247,6 @@ class ForwardRecovery:
         self.injector.begin_step(self.step, list(payload["donors"]))
         joined = self._finish_join(pending)
         assert joined is not None  # an aborted join SIGKILLs a spawned process
-        self.joining = False
         self._joined = joined
         return joined.world, joined.ctx
 
@@ -628,8 +636,10 @@ class ForwardRecovery:
             self.injector.maybe_fail("recovery", 0)
         started = time.perf_counter()
         self.in_recovery = True
-        self._compute(step, extra_ids, state)
-        self.in_recovery = False
+        try:
+            self._compute(step, extra_ids, state)
+        finally:
+            self.in_recovery = False
         self._wait_restore()
         spent = time.perf_counter() - started
         for inc in state.incidents:
@@ -689,6 +699,8 @@ class ForwardRecovery:
     def park(self) -> JoinedState:
         """A parked rank: drop the broken replica world and follow the job until the replica re-joins."""
         self.parking = True
+        self.in_recovery = False
+        self.restore_handle = None
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -702,7 +714,7 @@ class ForwardRecovery:
         """Follow the active ranks' global agrees: stop, end or re-join with them."""
         while True:
             try:
-                stop, kind = self.ftc.follow()
+                stop, kind = self.ftc.follow(self._stop_bits())
             except WorldChanged:
                 continue
             except AllReplicasFailed as gone:
@@ -742,11 +754,25 @@ class ForwardRecovery:
                         ),
                     },
                 )
+            if decision.out_of_spawns and not self.told_out_of_spawns:
+                self.told_out_of_spawns = True
+                self._log_rejoin(
+                    step,
+                    {
+                        "status": "given_up",
+                        "replicas": sorted(self.book.lost_at),
+                        "reason": (
+                            f"recover.rejoin.max_spawns={r.max_spawns} spawn attempts used; the job stays at its width"
+                        ),
+                    },
+                )
             if not decision.replicas:
                 return
             try:
                 self.phase = "rejoin"
-                self.ftc.agree(True, kind="join")
+                _, stop = self.ftc.agree(True, stop=self._stop_bits(), kind="join")
+                if stop:  # a stop is pending (e.g. a failed save): no join for a job that ends
+                    self._stop(step, self._agreed_stop(stop), known=False, announce=False)
                 break
             except WorldChanged as changed:
                 self._note_failure(step, changed.result)
@@ -800,14 +826,13 @@ class ForwardRecovery:
             "donors": self.ftc.alive_replicas,
         }
         self.phase = "rejoin"
-        self.joining_since = time.perf_counter()
         if not self.ftc.parked:
             self.injector.maybe_fail("rejoin", 0)
         try:
             pending = self.ftc.begin_join(plan, self.spawn_command(), self.spawn_info(), payload)
         except JoinFailed as failed:
             if replicas is not None:
-                self.book.attempted(list(replicas), step, joined=False, spawn_failed=True)
+                self.book.attempted(list(replicas), step, joined=False, spawn_failed=failed.could_not_start)
                 self._log_rejoin(
                     step, {"status": "failed", "replicas": list(replicas), "reason": str(failed)}
                 )
@@ -845,6 +870,10 @@ class ForwardRecovery:
                 except MPI.Exception:
                     pass
         committed = self.ftc.commit_join(pending, ok)  # a spawned process dies here on an abort
+        if committed and me in rejoining:
+            # A member now: the failure watch's grace applies again (a peer may die while the
+            # replica's world is being built).
+            self.joining = self.parking = False
         self.book = RejoinBook.from_dict(payload["book"])
         self.book.attempted(rejoining, payload["step"], committed)
         record: dict[str, Any] = {"status": "joined" if committed else "failed", "replicas": rejoining}
