@@ -136,7 +136,12 @@ def main() -> int:
         "replica world and model. For comparison, torchft 0.2.0 measured on this machine with the same "
         "model: a relaunched replica group contributes gradients 12.2 s after its relaunch.",
     ]
-    write_report(Path(args.out), "rejoin", {"machine": machine, "args": vars(args), "runs": results}, lines)
+    write_report(
+        Path(args.out),
+        "rejoin",
+        {"machine": machine, "args": {k: v for k, v in vars(args).items() if k != "out"}, "runs": results},
+        lines,
+    )
     return 0
 
 
