@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from nanotron_example import NANOTRON, NANOTRON_FIXES
+from nanotron_example import NANOTRON, NANOTRON_CONFIGS
 
 from nanotron_recover.config import Config, ConfigError, LlamaConfig, load_config
-from nanotron_recover.estimate import estimate_stage, plan_summary
+from nanotron_recover.estimate import estimate_stage, format_plan, plan_summary
 from nanotron_recover.models.llama import LlamaStage, count_parameters
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ LLAMA_7B = [
 
 
 def config(*overrides: str, base: Path = TINY) -> Config:
-    return load_config(base, (NANOTRON_FIXES if base == NANOTRON else []) + list(overrides))
+    return load_config(base, list(overrides), check_paths=False)
 
 
 def llama_7b(*overrides: str) -> Config:
@@ -198,3 +198,46 @@ def test_hsdp_plan_for_the_7b_cluster_config_fits_an_a100_40gb():
 def test_hsdp_needs_tp_and_pp_of_one():
     with pytest.raises(ConfigError, match="dp_shard=2 .HSDP. needs tp=1 and pp=1"):
         load_config(TINY, ["parallelism.dp_shard=2", "parallelism.tp=2"])
+
+
+# -- configs written like Nanotron's examples ------------------------------------------------------
+def nanotron_config(name: str) -> Config:
+    return config(base=next(p for p in NANOTRON_CONFIGS if p.stem == name))
+
+
+def test_a_qwen2_config_of_smollm2_counts_as_the_llama_it_is():
+    m = nanotron_config("smollm2_resume_training").model.model_config
+    # SmolLM2-135M: 30 layers of width 576, 9 query and 3 key/value heads, tied 49152-token vocab.
+    expected = by_hand(576, 1536, 49152, 30, 9, 3, tied=True)
+    assert count_parameters(m) == numel(LlamaStage(m, device="meta")) == expected == 134_515_008
+
+
+def test_strategies_run_the_plain_way_are_estimated_the_plain_way():
+    # Sequence parallelism, asynchronous TP linears and recomputation are accepted but not run: the
+    # estimate is the one of the plain layout (all activations kept, nothing split by sequence).
+    base = nanotron_config("tiny_llama")
+    plain = config(
+        "parallelism.tp_mode=ALL_REDUCE",
+        "parallelism.tp_linear_async_communication=false",
+        base=next(p for p in NANOTRON_CONFIGS if p.stem == "tiny_llama"),
+    )
+    recompute = config("parallelism.recompute_layer=true", base=NANOTRON)
+    assert plan_summary(base)["worst_stage"] == plan_summary(plain)["worst_stage"]
+    assert plan_summary(recompute)["worst_stage"] == plan_summary(config(base=NANOTRON))["worst_stage"]
+
+
+def test_the_plan_opens_with_the_notes_and_names_the_profiler_window_and_the_benchmark_csv():
+    lines = format_plan(plan_summary(nanotron_config("tiny_llama"))).splitlines()
+    assert lines[0].startswith("note: parallelism.tp_mode REDUCE_SCATTER runs as ALL_REDUCE here")
+    assert lines[1].startswith("note: parallelism.tp_linear_async_communication true runs synchronously")
+    assert lines[2].startswith("note: checkpoints.checkpoints_path_is_shared_file_system false")
+    assert lines[3].startswith("world size      4  (tp=2 x pp=1 x dp=2)")
+    # Nanotron's default window: skip 3, wait 1, warm up 1, record 1.
+    assert "profiler        steps 5 (of a run from step 1)" in lines[-2] and "traces/tiny_llama" in lines[-2]
+    assert lines[-1].startswith("benchmark csv   benchmarks_out/tiny_llama.csv")
+
+
+def test_a_plain_config_plans_without_notes_profiler_or_csv():
+    text = format_plan(plan_summary(config()))
+    assert text.startswith("world size") and "note:" not in text
+    assert "profiler" not in text and "benchmark csv" not in text

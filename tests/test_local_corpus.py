@@ -1,4 +1,4 @@
-"""The offline stdlib-docstring tokenizer and corpus: deterministic, exact vocab, cached builds."""
+"""The offline stdlib-docstring tokenizer and Nanoset corpus: deterministic, exact vocab, cached builds."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
 import nanotron_recover.data.local_corpus as local_corpus
-from nanotron_recover.data.corpus import CorpusIndex, TokenCorpus
 from nanotron_recover.data.local_corpus import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
@@ -22,6 +22,7 @@ from nanotron_recover.data.local_corpus import (
     ensure_local_dataset,
     stdlib_docstring_texts,
 )
+from nanotron_recover.data.preprocess import summarize_nanoset
 
 
 @pytest.fixture(autouse=True)
@@ -98,34 +99,59 @@ def test_vocab_too_small(tmp_path):
         build_local_tokenizer(tmp_path / "t", 100)
 
 
+def documents(folder):
+    """Each document of a Nanoset folder as a list of ids."""
+    docs = []
+    for ds in summarize_nanoset(folder).files:
+        ids = np.fromfile(ds, dtype="<u2")
+        ends = np.fromfile(f"{ds}.index", dtype="<u8").astype(np.int64)
+        docs += [ids[a:b].tolist() for a, b in zip(np.concatenate([[0], ends[:-1]]), ends, strict=True)]
+    return docs
+
+
 def test_corpus_is_deterministic(tmp_path):
     for name in ("a", "b"):
         build_local_tokenizer(tmp_path / f"tok-{name}")
-        index = build_local_corpus(tmp_path / f"corpus-{name}", tmp_path / f"tok-{name}", max_tokens=20_000)
-        assert index.num_tokens == 20_000
-    assert (tmp_path / "corpus-a" / "tokens.bin").read_bytes() == (
-        tmp_path / "corpus-b" / "tokens.bin"
-    ).read_bytes()
+        summary = build_local_corpus(
+            tmp_path / f"corpus-{name}", tmp_path / f"tok-{name}", max_tokens=20_000, tokenizer_name="tok"
+        )
+        assert 15_000 < summary.num_tokens <= 20_000 and summary.tokenizer == "tok"
+    (a,) = summarize_nanoset(tmp_path / "corpus-a").files
+    (b,) = summarize_nanoset(tmp_path / "corpus-b").files
+    for suffix in ("", ".index", ".metadata"):
+        assert Path(f"{a}{suffix}").read_bytes() == Path(f"{b}{suffix}").read_bytes()
 
 
 def test_whole_corpus_is_the_docstrings(local_dataset):
     tok = AutoTokenizer.from_pretrained(local_dataset.tokenizer_dir)
-    corpus = TokenCorpus.open(local_dataset.corpus_dir)
-    index = corpus.index
-    assert index.num_tokens == 300_000 and index.vocab_size == 512 and index.dtype == "uint16"
-    assert index.tokenizer == str(local_dataset.tokenizer_dir)
-    assert index.source["local"].startswith("stdlib docstrings")
-    tokens = np.asarray(corpus.tokens)
-    assert int(tokens.max()) < 512 and BOS_TOKEN_ID not in tokens
-    # All documents but the last (cut at the budget) end in eos.
-    assert int((tokens == EOS_TOKEN_ID).sum()) in (index.num_documents, index.num_documents - 1)
-    first_doc = tokens[: int(np.flatnonzero(tokens == EOS_TOKEN_ID)[0])]
-    assert tok.decode(first_doc.tolist()) == stdlib_docstring_texts()[0]
+    summary = summarize_nanoset(local_dataset.corpus_dir)
+    # The metadata names the tokenizer where it is now, not the temporary build folder.
+    assert summary.tokenizer == str(local_dataset.tokenizer_dir) and summary.token_size == 2
+    # max_tokens: the first docstrings, whole, as many as fit in 300k tokens with one eos each.
+    texts = stdlib_docstring_texts()
+    sizes = [len(tok(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts]
+    kept = int(np.searchsorted(np.cumsum(sizes), 300_000, side="right"))
+    assert 0 < kept < len(texts)
+    assert summary.num_documents == kept and summary.num_tokens == sum(sizes[:kept]) <= 300_000
+    assert sum(sizes[: kept + 1]) > 300_000
+    docs = documents(local_dataset.corpus_dir)
+    assert all(d[-1] == EOS_TOKEN_ID and EOS_TOKEN_ID not in d[:-1] for d in docs)
+    assert not any(BOS_TOKEN_ID in d for d in docs) and max(max(d) for d in docs) < 512
+    assert sorted(tok.decode(d[:-1]) for d in docs) == sorted(texts[:kept])
+    # Nothing but the Nanoset files in the corpus folder.
+    assert sorted(p.suffix for p in local_dataset.corpus_dir.iterdir()) == [".ds", ".index", ".metadata"]
+
+
+def test_max_tokens_below_the_first_document(tmp_path):
+    build_local_tokenizer(tmp_path / "tok")
+    with pytest.raises(ValueError, match="less than the first document"):
+        build_local_corpus(tmp_path / "c", tmp_path / "tok", max_tokens=2)
 
 
 def test_ensure_reuses_an_existing_build(local_dataset, monkeypatch):
     root = local_dataset.corpus_dir.parent.parent
-    before = (local_dataset.corpus_dir / "tokens.bin").stat().st_mtime_ns
+    (ds,) = summarize_nanoset(local_dataset.corpus_dir).files
+    before = ds.stat().st_mtime_ns
 
     def fail(*args, **kwargs):
         raise AssertionError("rebuilt a complete dataset")
@@ -133,12 +159,13 @@ def test_ensure_reuses_an_existing_build(local_dataset, monkeypatch):
     monkeypatch.setattr(local_corpus, "build_local_tokenizer", fail)
     monkeypatch.setattr(local_corpus, "build_local_corpus", fail)
     assert ensure_local_dataset(root) == local_dataset
-    assert (local_dataset.corpus_dir / "tokens.bin").stat().st_mtime_ns == before
+    assert ds.stat().st_mtime_ns == before
 
 
 def test_ensure_builds_keys_and_repairs(tmp_path):
     small = ensure_local_dataset(tmp_path, vocab_size=300, max_tokens=5_000)
-    assert TokenCorpus.open(small.corpus_dir).num_tokens == 5_000
+    summary = summarize_nanoset(small.corpus_dir)
+    assert 0 < summary.num_tokens <= 5_000 and summary.tokenizer == str(small.tokenizer_dir)
     assert len(AutoTokenizer.from_pretrained(small.tokenizer_dir)) == 300
     # Different parameters get their own build; nothing temporary is left behind.
     other = ensure_local_dataset(tmp_path, vocab_size=300, max_tokens=6_000)
@@ -147,16 +174,17 @@ def test_ensure_builds_keys_and_repairs(tmp_path):
         [small.corpus_dir.parent.name, other.corpus_dir.parent.name]
     )
     # A damaged build is replaced by a fresh one.
-    data = (small.corpus_dir / "tokens.bin").read_bytes()
-    (small.corpus_dir / "tokens.bin").write_bytes(data[:100])
+    (ds,) = summary.files
+    data = ds.read_bytes()
+    ds.write_bytes(data[:100])
     assert ensure_local_dataset(tmp_path, vocab_size=300, max_tokens=5_000) == small
-    assert (small.corpus_dir / "tokens.bin").read_bytes() == data
+    assert ds.read_bytes() == data
     assert len(os.listdir(tmp_path)) == 2
 
 
 def test_ensure_losing_a_race_uses_the_winners_build(tmp_path, monkeypatch):
     winner = ensure_local_dataset(tmp_path, vocab_size=300, max_tokens=5_000)
-    index_before = CorpusIndex.read(winner.corpus_dir)
+    summary_before = summarize_nanoset(winner.corpus_dir)
     # Simulate a second process that checked before the winner finished: it sees no build,
     # builds its own, and then finds the winner's build in place when it tries to rename.
     real = local_corpus._is_complete
@@ -169,5 +197,5 @@ def test_ensure_losing_a_race_uses_the_winners_build(tmp_path, monkeypatch):
     monkeypatch.setattr(local_corpus, "_is_complete", not_yet_then_real)
     assert ensure_local_dataset(tmp_path, vocab_size=300, max_tokens=5_000) == winner
     assert len(calls) >= 2
-    assert CorpusIndex.read(winner.corpus_dir) == index_before
+    assert summarize_nanoset(winner.corpus_dir) == summary_before
     assert os.listdir(tmp_path) == [winner.corpus_dir.parent.name]  # the loser's temp build is gone

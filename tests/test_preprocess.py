@@ -1,55 +1,57 @@
-"""Preprocessing local C4-schema JSON-lines files with the offline tokenizer.
+"""``preprocess``: datatrove's JsonlReader + DocumentTokenizer writing Nanoset folders.
 
-Two datasets: seven hand-picked rows (edge cases: unicode, code, empty and null text) and
-2,000 short stdlib-docstring documents with C4's columns (``text``, ``timestamp``, ``url``),
-big enough for many chunks and commits. The properties under test are the ones that make a
-multi-day C4 run safe: the output is the same bytes whatever the worker count and however
-often the run is killed and resumed, and a folder is never silently mixed with another source.
+The input is C4-shaped JSON lines (``text``, ``timestamp``, ``url``) with edge cases (unicode,
+code, an eos written out in the text, empty and null text), tokenized with the offline stdlib
+tokenizer. What is checked is what training relies on: every document is the tokenizer's ids plus
+one eos, the files decode back to the input texts, the output is the same bytes for the same seed
+whatever the workers, a rerun resumes (skips finished tasks) and never mixes two corpora, and bad
+input is a one-line InputError. Nothing here downloads: the Hugging Face reader is only built.
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
-import importlib
+import gzip
 import json
-import multiprocessing
 import os
-import pickle
 import shutil
-import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
+from mpirun_utils import REPO
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-import nanotron_recover.data.corpus as corpus_mod
-from nanotron_recover.data.corpus import INDEX_FILE, TOKENS_FILE, CorpusIndex, TokenCorpus
+import nanotron_recover.data as data_pkg
 from nanotron_recover.data.local_corpus import build_local_tokenizer, stdlib_docstring_texts
 from nanotron_recover.data.preprocess import (
+    DEFAULT_LOGGING_DIR,
+    RECORD_FILE,
+    _plan,
+    _source_of,
     add_preprocess_arguments,
-    parse_token_count,
-    preprocess,
-    preprocess_run,
     run_preprocess,
+    summarize_nanoset,
+    tokenize_to_nanoset,
 )
-from nanotron_recover.data.tokenization import encode_chunks, make_encoder, tokenizer_fingerprint
+from nanotron_recover.data.tokenization import tokenizer_fingerprint
 from nanotron_recover.errors import InputError
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "def f(x):\n    return x + 1  # a comment\n",
-    "",  # empty documents are skipped
+    "",  # rows without text are skipped
     "Unicode survives: naïve café — 東京 🚀, and    odd   spacing .",
     None,  # so are null ones
     "Return the number of items in a container. " * 20,
+    "an eos written out </s> stays inside its document",
     "last",
 ]
+KEPT = [t for t in TEXTS if t]
 
 
 @pytest.fixture(autouse=True)
@@ -58,677 +60,447 @@ def offline(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
 
 
-@pytest.fixture
-def c4_jsonl(tmp_path):
-    path = tmp_path / "c4-sample.json"
+def write_jsonl(path: Path, texts: list[str | None]) -> Path:
     with open(path, "w", encoding="utf-8") as f:
-        for i, text in enumerate(TEXTS):
-            row = {"text": text, "timestamp": f"2019-04-2{i}T12:57:54Z", "url": f"https://example.com/{i}"}
+        for i, text in enumerate(texts):
+            stamp = f"2019-04-2{i % 10}T12:57:54Z"
+            row = {"text": text, "timestamp": stamp, "url": f"https://example.com/{i}"}
             f.write(json.dumps(row) + "\n")
     return path
 
 
 @pytest.fixture
-def tokenizer(local_dataset):
-    return AutoTokenizer.from_pretrained(local_dataset.tokenizer_dir)
+def c4_jsonl(tmp_path):
+    return write_jsonl(tmp_path / "c4-sample.json", TEXTS)
 
 
-def run(c4_jsonl, local_dataset, out, **kwargs):
-    return preprocess(
-        "json",
-        None,
-        data_files=[str(c4_jsonl)],
-        tokenizer=str(local_dataset.tokenizer_dir),
-        out=out,
-        progress=False,
-        **kwargs,
+@pytest.fixture(scope="module")
+def docstring_shards(tmp_path_factory):
+    """1,000 short stdlib docstrings in two JSON-lines files, with C4's columns."""
+    folder = tmp_path_factory.mktemp("shards")
+    texts = [t[:400] for t in stdlib_docstring_texts()[:1000]]
+    return [write_jsonl(folder / f"part-{i}.jsonl", texts[i::2]) for i in range(2)], texts
+
+
+@pytest.fixture
+def tok_dir(local_dataset):
+    return str(local_dataset.tokenizer_dir)
+
+
+def documents(folder: Path) -> list[list[int]]:
+    """Every document of a Nanoset folder, as its ids, read with plain numpy (file by file, in file order)."""
+    docs = []
+    for ds in sorted(Path(folder).glob("*.ds")):
+        token_size = int(Path(f"{ds}.metadata").read_text().splitlines()[0].rsplit("|", 1)[1])
+        ids = np.fromfile(ds, dtype="<u2" if token_size == 2 else "<u4")
+        ends = np.fromfile(f"{ds}.index", dtype="<u8").astype(np.int64)
+        assert ends.size and ends[-1] == ids.size and np.all(np.diff(ends) > 0)
+        docs += [ids[s:e].tolist() for s, e in zip(np.concatenate([[0], ends[:-1]]), ends, strict=True)]
+    return docs
+
+
+def multiset(folder: Path) -> Counter:
+    return Counter(map(tuple, documents(folder)))
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir()) if p.is_file()}
+
+
+# -- what gets written ---------------------------------------------------------------------------
+def test_documents_are_the_tokenizer_ids_plus_one_eos_and_decode_back(c4_jsonl, tok_dir, tmp_path):
+    summary = tokenize_to_nanoset(c4_jsonl, tmp_path / "out", tok_dir)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    eos = tok.eos_token_id
+    expected = [tok(t, add_special_tokens=False)["input_ids"] + [eos] for t in KEPT]
+
+    assert summary.num_documents == len(KEPT)
+    assert summary.num_tokens == sum(len(ids) for ids in expected)  # encoded lengths + one eos each
+    assert (summary.tokenizer, summary.token_size, summary.dtype) == (tok_dir, 2, "uint16")
+    assert [p.name for p in summary.files] == ["00000_00000_doc_shuffled.ds"]
+    assert Path(f"{summary.files[0]}.metadata").read_text().splitlines()[:2] == [
+        f"{tok_dir}|2",
+        str(summary.num_tokens),
+    ]
+    docs = documents(tmp_path / "out")
+    assert Counter(map(tuple, docs)) == Counter(map(tuple, expected))
+    assert all(d[-1] == eos for d in docs) and not any(tok.bos_token_id in d for d in docs)
+    assert sorted(tok.decode(d[:-1]) for d in docs) == sorted(KEPT)
+    # The readers of the folder see only the Nanoset files; datatrove's logs are hidden inside it.
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if not p.name.startswith(".")) == sorted(
+        f"00000_00000_doc_shuffled.ds{s}" for s in ("", ".index", ".metadata")
     )
+    assert (tmp_path / "out" / DEFAULT_LOGGING_DIR / "completions" / "00000").is_file()
 
 
-def expected_ids(tokenizer):
-    out = []
-    for text in TEXTS:
-        if text:
-            out += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return out
+def test_eos_token_can_be_chosen(c4_jsonl, tok_dir, tmp_path):
+    tokenize_to_nanoset(c4_jsonl, tmp_path / "out", tok_dir, eos_token="<s>")
+    docs = documents(tmp_path / "out")
+    assert len(docs) == len(KEPT) and all(d[-1] == 0 for d in docs)  # <s> is id 0
 
 
-def test_corpus_matches_tokenizer_and_decodes_back(c4_jsonl, local_dataset, tokenizer, tmp_path):
-    index = run(c4_jsonl, local_dataset, tmp_path / "corpus")
-    corpus = TokenCorpus.open(tmp_path / "corpus")
-    tokens = corpus.tokens.tolist()
-    assert tokens == expected_ids(tokenizer)
+def test_truncation_saved_in_the_tokenizer_does_not_cut_documents(c4_jsonl, tok_dir, tmp_path):
+    from tokenizers import Tokenizer
 
-    eos = tokenizer.eos_token_id
-    assert index.eos_token_id == eos == 1
-    assert index.vocab_size == len(tokenizer) == 512
-    assert index.num_tokens == len(tokens)
-    kept = [t for t in TEXTS if t]
-    assert index.num_documents == len(kept)
-    # Documents are exactly the eos-separated segments; the last token is eos; no bos anywhere.
-    assert tokens[-1] == eos
-    assert tokenizer.bos_token_id not in tokens
-    segments = np.split(np.array(tokens), np.flatnonzero(np.array(tokens) == eos) + 1)[:-1]
-    assert [tokenizer.decode(s[:-1].tolist()) for s in segments] == kept
-    assert index.source["dataset"] == "json" and index.source["text_column"] == "text"
-    stream = index.resume.pop("stream")
-    assert index.resume == {
-        "rows_read": len(TEXTS),
-        "max_tokens": None,
-        "partial_tokens": 0,
-        "end_of_data": True,
-    }
-    assert stream["rows"] == len(TEXTS) and stream["state"] and stream["chunk_docs"] > 0
-    index.resume["stream"] = stream
-    assert index.tokenizer == str(local_dataset.tokenizer_dir)
-    assert index.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
-    assert CorpusIndex.read(tmp_path / "corpus") == index
+    copy = Path(shutil.copytree(tok_dir, tmp_path / "tok"))
+    truncating = Tokenizer.from_file(str(copy / "tokenizer.json"))
+    truncating.enable_truncation(8)
+    truncating.save(str(copy / "tokenizer.json"))
+    tokenize_to_nanoset(c4_jsonl, tmp_path / "out", str(copy))
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    expected = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in KEPT]
+    assert max(map(len, expected)) > 8 and multiset(tmp_path / "out") == Counter(map(tuple, expected))
 
 
-def test_max_tokens_is_exact_and_a_prefix(c4_jsonl, local_dataset, tokenizer, tmp_path):
-    full = expected_ids(tokenizer)
-    for budget in (1, 5, 37, len(full) - 1):
-        index = run(c4_jsonl, local_dataset, tmp_path / f"c{budget}", max_tokens=budget)
-        assert index.num_tokens == budget
-        assert TokenCorpus.open(tmp_path / f"c{budget}").tokens.tolist() == full[:budget]
-    bigger = run(c4_jsonl, local_dataset, tmp_path / "big", max_tokens=10 * len(full))
-    assert bigger.num_tokens == len(full)
+def test_same_seed_same_bytes_other_seed_other_order(docstring_shards, tok_dir, tmp_path):
+    files, texts = docstring_shards
+    a = tokenize_to_nanoset(files[0], tmp_path / "a", tok_dir, seed=3)
+    tokenize_to_nanoset(files[0], tmp_path / "b", tok_dir, seed=3)
+    tokenize_to_nanoset(files[0], tmp_path / "c", tok_dir, seed=4)
+    assert folder_bytes(tmp_path / "a") == folder_bytes(tmp_path / "b")
+    assert documents(tmp_path / "a") != documents(tmp_path / "c")
+    assert multiset(tmp_path / "a") == multiset(tmp_path / "c")
+    assert a.num_documents == len(texts[0::2])
 
 
-def test_max_tokens_on_a_document_boundary_keeps_its_eos(c4_jsonl, local_dataset, tokenizer, tmp_path):
-    first = len(tokenizer(TEXTS[0], add_special_tokens=False)["input_ids"]) + 1
-    index = run(c4_jsonl, local_dataset, tmp_path / "c", max_tokens=first)
-    tokens = TokenCorpus.open(tmp_path / "c").tokens.tolist()
-    assert index.num_documents == 1 and tokens[-1] == tokenizer.eos_token_id and len(tokens) == first
-    assert index.resume["rows_read"] == 1 and index.resume["partial_tokens"] == 0
-    # One token more starts (and cuts) the second document, which then has no eos.
-    index = run(c4_jsonl, local_dataset, tmp_path / "d", max_tokens=first + 1)
-    tokens = TokenCorpus.open(tmp_path / "d").tokens.tolist()
-    assert index.num_documents == 2 and tokens.count(tokenizer.eos_token_id) == 1
-    assert index.resume["rows_read"] == 2 and index.resume["partial_tokens"] == 1
+def test_two_tasks_two_files_same_documents_whatever_the_workers(docstring_shards, tok_dir, tmp_path):
+    files, texts = docstring_shards
+    one = tokenize_to_nanoset(files, tmp_path / "one", tok_dir)
+    two = tokenize_to_nanoset(files, tmp_path / "two", tok_dir, tasks=2, workers=2)
+    assert [p.name for p in two.files] == ["00000_00000_doc_shuffled.ds", "00001_00000_doc_shuffled.ds"]
+    assert (two.num_tokens, two.num_documents) == (one.num_tokens, one.num_documents)
+    assert one.num_documents == len(texts)
+    assert multiset(tmp_path / "two") == multiset(tmp_path / "one")
+    # Task r reads file r: the first file's documents are the first output file's.
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    first = [tok.decode(d[:-1]) for d in documents(tmp_path / "two")[: len(texts[0::2])]]
+    assert sorted(first) == sorted(texts[0::2])
+    # Sequential tasks in this process write the same bytes as two worker processes.
+    tokenize_to_nanoset(files, tmp_path / "seq", tok_dir, tasks=2, workers=1)
+    assert folder_bytes(tmp_path / "seq") == folder_bytes(tmp_path / "two")
 
 
-def test_missing_text_column_is_named(c4_jsonl, local_dataset, tmp_path):
-    with pytest.raises(InputError, match=r"no column 'body'.*text, timestamp, url"):
-        run(c4_jsonl, local_dataset, tmp_path / "c", text_column="body")
-    # The failed run left no corpus that looks finished.
-    with pytest.raises(ValueError, match="did not finish"):
-        TokenCorpus.open(tmp_path / "c")
+def test_folders_are_searched_for_json_lines_files(tmp_path, tok_dir):
+    root = tmp_path / "in"
+    (root / "sub").mkdir(parents=True)
+    (root / ".hidden").mkdir()
+    write_jsonl(root / "a.jsonl", ["alpha"])
+    write_jsonl(root / "sub" / "b.json", ["beta"])
+    with gzip.open(root / "sub" / "c.json.gz", "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"text": "gamma"}) + "\n")
+    write_jsonl(root / ".hidden" / "d.jsonl", ["hidden"])  # a logging dir, .git: skipped
+    (root / "notes.txt").write_text('{"text": "not json lines by name"}\n')
+    tokenize_to_nanoset(root, tmp_path / "out", tok_dir, tasks=3)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    assert sorted(tok.decode(d[:-1]) for d in documents(tmp_path / "out")) == ["alpha", "beta", "gamma"]
+    record = json.loads((tmp_path / "out" / DEFAULT_LOGGING_DIR / RECORD_FILE).read_text())
+    assert [Path(f).name for f in record["source"]["jsonl"]] == ["a.jsonl", "b.json", "c.json.gz"]
 
 
-def test_tokenizer_without_eos_is_rejected(c4_jsonl, local_dataset, tmp_path):
-    no_eos = PreTrainedTokenizerFast(tokenizer_file=str(local_dataset.tokenizer_dir / "tokenizer.json"))
+def test_a_task_without_text_leaves_no_files(tmp_path, tok_dir):
+    full = write_jsonl(tmp_path / "a.jsonl", ["some text", "more text"])
+    empty = write_jsonl(tmp_path / "b.jsonl", ["", None])
+    summary = tokenize_to_nanoset([full, empty], tmp_path / "out", tok_dir, tasks=2)
+    assert [p.name for p in summary.files] == ["00000_00000_doc_shuffled.ds"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if not p.name.startswith(".")) == sorted(
+        f"00000_00000_doc_shuffled.ds{s}" for s in ("", ".index", ".metadata")
+    )
+    assert summary.num_documents == 2
+
+
+# -- resuming ------------------------------------------------------------------------------------
+def test_rerun_skips_completed_tasks_and_redoes_the_rest(docstring_shards, tok_dir, tmp_path):
+    files, _ = docstring_shards
+    out = tmp_path / "out"
+    first = tokenize_to_nanoset(files, out, tok_dir, tasks=2)
+    before = folder_bytes(out)
+    mtimes = {p: p.stat().st_mtime_ns for p in first.files}
+    # Everything done: nothing is written again.
+    assert tokenize_to_nanoset(files, out, tok_dir, tasks=2) == first
+    assert {p: p.stat().st_mtime_ns for p in first.files} == mtimes
+    # Task 1 "crashed": no completion mark, its output gone. The rerun redoes task 1 only.
+    (out / DEFAULT_LOGGING_DIR / "completions" / "00001").unlink()
+    for p in out.glob("00001_*"):
+        p.unlink()
+    assert tokenize_to_nanoset(files, out, tok_dir, tasks=2) == first
+    assert first.files[0].stat().st_mtime_ns == mtimes[first.files[0]]
+    assert first.files[1].stat().st_mtime_ns != mtimes[first.files[1]]
+    assert folder_bytes(out) == before
+
+
+def test_rerun_with_other_arguments_is_refused(docstring_shards, tok_dir, tmp_path):
+    files, _ = docstring_shards
+    out = tmp_path / "out"
+    tokenize_to_nanoset(files[0], out, tok_dir, seed=1)
+    with pytest.raises(InputError, match="seed: 1 there vs 2 now") as info:
+        tokenize_to_nanoset(files[0], out, tok_dir, seed=2)
+    assert "\n" not in str(info.value)
+    with pytest.raises(InputError, match="source"):
+        tokenize_to_nanoset(files[1], out, tok_dir, seed=1)
+    with pytest.raises(InputError, match="text_key"):
+        tokenize_to_nanoset(files[0], out, tok_dir, seed=1, text_key="url")
+    # The same arguments from another working directory (relative paths) still resume.
+    cwd = os.getcwd()
+    try:
+        os.chdir(files[0].parent)
+        tokenize_to_nanoset(files[0].name, out, tok_dir, seed=1)
+    finally:
+        os.chdir(cwd)
+
+
+def test_another_tokenizers_folder_is_refused(c4_jsonl, tok_dir, tmp_path):
+    tokenize_to_nanoset(c4_jsonl, tmp_path / "out", tok_dir)
+    other = build_local_tokenizer(tmp_path / "other", vocab_size=300)
+    with pytest.raises(InputError, match="already holds data tokenized with") as info:
+        tokenize_to_nanoset(c4_jsonl, tmp_path / "out", str(other))
+    assert "\n" not in str(info.value)
+    # Same name, other logging dir: the .ds files are not this run's to resume.
+    with pytest.raises(InputError, match="did not make"):
+        tokenize_to_nanoset(c4_jsonl, tmp_path / "out", tok_dir, logging_dir=tmp_path / "logs")
+
+
+# -- bad input -----------------------------------------------------------------------------------
+def _no_eos_tokenizer(tok_dir: str, folder: Path) -> str:
+    no_eos = PreTrainedTokenizerFast(tokenizer_file=str(Path(tok_dir) / "tokenizer.json"))
     assert no_eos.eos_token_id is None
-    no_eos.save_pretrained(tmp_path / "tok")
-    with pytest.raises(InputError, match="no eos token"):
-        preprocess(
-            "json", None, data_files=[str(c4_jsonl)], tokenizer=str(tmp_path / "tok"), out=tmp_path / "c"
-        )
-
-
-def test_bad_max_tokens(c4_jsonl, local_dataset, tmp_path):
-    with pytest.raises(ValueError, match="max_tokens"):
-        run(c4_jsonl, local_dataset, tmp_path / "c", max_tokens=0)
-
-
-def make_parser():
-    parser = argparse.ArgumentParser(prog="nanotron-recover preprocess")
-    add_preprocess_arguments(parser)
-    return parser
-
-
-def test_cli_defaults_and_parsing(tmp_path):
-    args = make_parser().parse_args(["--tokenizer", "tok", "--out", str(tmp_path / "o")])
-    assert args.dataset == "allenai/c4" and args.name == "en" and args.split == "train"
-    assert args.text_column == "text" and args.data_files is None and args.max_tokens is None
-    assert args.out == tmp_path / "o"
-    args = make_parser().parse_args(
-        ["--dataset", "json", "--name", "none", "--data-files", "a.json", "b.json", "--max-tokens", "1.5k"]
-        + ["--tokenizer", "tok", "--out", "o"]
-    )
-    assert args.name is None and args.data_files == ["a.json", "b.json"] and args.max_tokens == 1500
-    with pytest.raises(SystemExit):
-        make_parser().parse_args(["--out", "o"])  # --tokenizer is required
+    no_eos.save_pretrained(folder)
+    return str(folder)
 
 
 @pytest.mark.parametrize(
-    ("text", "value"), [("300000", 300_000), ("300_000", 300_000), ("2M", 2_000_000), ("1B", 10**9)]
+    "case, message",
+    [
+        ("missing input", "does not exist"),
+        ("folder without json lines", "holds no JSON-lines files"),
+        ("tokenizer not found", "tokenizer .* not found or not loadable"),
+        ("tokenizer without eos", "has no eos token"),
+        ("eos not in vocabulary", "is not a token of tokenizer"),
+        ("empty corpus", "holds no document with text"),
+        ("wrong text key", "under key 'body'"),
+        ("more tasks than files", "--tasks 2 but 1 input file"),
+        ("out is a file", "is a file, not a folder"),
+    ],
 )
-def test_parse_token_count(text, value):
-    assert parse_token_count(text) == value
+def test_bad_input_is_a_one_line_input_error(case, message, c4_jsonl, tok_dir, tmp_path):
+    inputs, out, tokenizer, kwargs = [c4_jsonl], tmp_path / "out", tok_dir, {}
+    if case == "missing input":
+        inputs = [tmp_path / "nope.jsonl"]
+    elif case == "folder without json lines":
+        (tmp_path / "empty_dir").mkdir()
+        inputs = [tmp_path / "empty_dir"]
+    elif case == "tokenizer not found":
+        tokenizer = str(tmp_path / "no-such-tokenizer")
+    elif case == "tokenizer without eos":
+        tokenizer = _no_eos_tokenizer(tok_dir, tmp_path / "tok")
+    elif case == "eos not in vocabulary":
+        kwargs = {"eos_token": "<|endoftext|>"}
+    elif case == "empty corpus":
+        inputs = [write_jsonl(tmp_path / "blank.jsonl", ["", None])]
+    elif case == "wrong text key":
+        kwargs = {"text_key": "body"}
+    elif case == "more tasks than files":
+        kwargs = {"tasks": 2}
+    elif case == "out is a file":
+        out.write_text("x")
+    with pytest.raises(InputError, match=message) as info:
+        tokenize_to_nanoset(inputs, out, tokenizer, **kwargs)
+    assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("text", ["", "abc", "0", "1.5", "-3", "2X"])
-def test_parse_token_count_rejects(text):
-    with pytest.raises(argparse.ArgumentTypeError):
-        parse_token_count(text)
+def test_damaged_nanoset_is_named(c4_jsonl, tok_dir, tmp_path):
+    summary = tokenize_to_nanoset(c4_jsonl, tmp_path / "out", tok_dir)
+    ds = summary.files[0]
+    with open(ds, "r+b") as f:
+        f.truncate(ds.stat().st_size - 2)
+    with pytest.raises(InputError, match=f"{ds.name} is damaged or truncated"):
+        summarize_nanoset(tmp_path / "out")
+    with pytest.raises(InputError, match="holds no Nanoset files"):
+        summarize_nanoset(tmp_path)
 
 
-def test_cli_runs_and_prints_summary(c4_jsonl, local_dataset, tokenizer, tmp_path, capsys):
-    out = tmp_path / "cli"
-    args = make_parser().parse_args(
-        ["--dataset", "json", "--name", "none", "--data-files", str(c4_jsonl)]
-        + ["--tokenizer", str(local_dataset.tokenizer_dir), "--out", str(out), "--max-tokens", "40"]
+# -- the command line ----------------------------------------------------------------------------
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_preprocess_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_cli_end_to_end_in_a_subprocess(c4_jsonl, tok_dir, tmp_path):
+    cmd = [sys.executable, "-m", "nanotron_recover.cli", "preprocess", "--data-files", str(c4_jsonl)]
+    cmd += ["--tokenizer", tok_dir, "--out", str(tmp_path / "out")]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO / "src"))
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = summarize_nanoset(tmp_path / "out")
+    assert summary.num_documents == len(KEPT)
+    assert f"holds {summary.num_tokens:,} tokens in {len(KEPT)} documents" in run.stdout
+    # Again: nothing left to do, said so.
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert again.returncode == 0 and "1 of 1 task(s) already complete" in again.stdout
+    # Bad input: status 2, one line, no traceback.
+    missing = cmd[:5] + [str(tmp_path / "missing.jsonl")] + cmd[6:]
+    bad = subprocess.run(missing, capture_output=True, text=True, timeout=180, env=env)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [
+        f"nanotron-recover preprocess: error: input {str(tmp_path / 'missing.jsonl')!r} does not exist"
+    ]
+
+
+def test_cli_help_and_defaults():
+    parser = argparse.ArgumentParser()
+    add_preprocess_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    assert "default: the tokenizer's own eos token, so documents stay separated" in text
+    args = parse(["--tokenizer", "t", "--out", "o", "--data-files", "a.jsonl"])
+    assert (args.tasks, args.workers, args.seed) == (1, None, 0)
+    assert (args.executor, args.text_key) == ("local", "text")
+    assert (args.eos_token, args.logging_dir, args.limit, args.partition, args.account) == (
+        None,
+        None,
+        None,
+        None,
+        None,
     )
-    assert run_preprocess(args) == 0
-    summary = capsys.readouterr().out.strip()
-    assert len(summary.splitlines()) == 1
-    assert "40 tokens" in summary and str(out) in summary
-    assert TokenCorpus.open(out).tokens.tolist() == expected_ids(tokenizer)[:40]
+    assert parse(["--tokenizer", "t", "--out", "o", "--text-key", "body"]).text_key == "body"
+    with pytest.raises(SystemExit):
+        parse(["--tokenizer", "t", "--out", "o", "--tasks", "0"])
 
 
-def test_cli_reports_user_errors(c4_jsonl, local_dataset, tmp_path, capsys):
-    args = make_parser().parse_args(
-        ["--dataset", "json", "--name", "none", "--data-files", str(c4_jsonl), "--text-column", "body"]
-        + ["--tokenizer", str(local_dataset.tokenizer_dir), "--out", str(tmp_path / "o")]
+def test_cli_sources(tmp_path, c4_jsonl):
+    base = ["--tokenizer", "t", "--out", "o"]
+    assert _source_of(parse(base + ["--data-files", str(c4_jsonl)])) == {"jsonl": [str(c4_jsonl.resolve())]}
+    assert _source_of(parse(base + ["--dataset", "json", "--data-files", str(c4_jsonl)]))["jsonl"]
+    hf = _source_of(parse(base + ["--dataset", "allenai/c4", "--name", "en"]))
+    assert hf == {"hf": {"dataset": "allenai/c4", "name": "en", "split": "train", "streaming": True}}
+    with pytest.raises(InputError, match="nothing to read"):
+        _source_of(parse(base))
+    with pytest.raises(InputError, match="cannot be combined"):
+        _source_of(parse(base + ["--dataset", "allenai/c4", "--data-files", str(c4_jsonl)]))
+
+
+def test_hugging_face_source_builds_datatroves_reader_without_reading(tok_dir, tmp_path):
+    source = {"hf": {"dataset": "allenai/c4", "name": "en", "split": "validation", "streaming": True}}
+    plan = _plan(
+        source, tmp_path / "out", tok_dir, tasks=4, text_key="text", eos_token=None, seed=0, limit=10,
+        logging_dir=None,
     )
+    reader, writer = plan.pipeline[0], plan.pipeline[1]
+    assert type(reader).__name__ == "HuggingFaceDatasetReader"
+    assert (reader.dataset, reader.dataset_options, reader.streaming, reader.limit) == (
+        "allenai/c4",
+        {"name": "en", "split": "validation"},
+        True,
+        10,
+    )
+    assert type(writer).__name__ == "DocumentTokenizer" and writer.tokenizer_name_or_path == tok_dir
+    assert writer.token_size == 2
+
+
+def test_cli_reports_user_errors_as_one_line(c4_jsonl, tok_dir, tmp_path, capsys):
+    args = parse(["--data-files", str(c4_jsonl), "--tokenizer", tok_dir, "--out", str(tmp_path / "o")])
+    args.tasks = 3
     assert run_preprocess(args) == 2
-    err = capsys.readouterr().err
-    assert "no column 'body'" in err and len(err.strip().splitlines()) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("nanotron-recover preprocess: error: --tasks 3 but 1 input")
 
 
-def test_cli_workers_and_chunk_docs():
-    args = make_parser().parse_args(["--tokenizer", "tok", "--out", "o"])
-    assert args.workers is None and args.chunk_docs > 0
-    args = make_parser().parse_args(["--tokenizer", "t", "--out", "o", "--workers", "0", "--chunk-docs", "7"])
-    assert args.workers == 0 and args.chunk_docs == 7
-    for bad in (["--workers", "-1"], ["--chunk-docs", "0"], ["--workers", "two"]):
-        with pytest.raises(SystemExit):
-            make_parser().parse_args(["--tokenizer", "t", "--out", "o", *bad])
-
-
-def test_parse_token_count_is_exact_for_large_counts():
-    assert parse_token_count("12345678901234567") == 12345678901234567
-    assert parse_token_count("1.000001M") == 1_000_001
-
-
-# -- 2,000 C4-schema documents: workers, resume, budgets, mismatches --------------------------
-N_DOCS = 2000
-
-
-@pytest.fixture(scope="module")
-def c4_2k(tmp_path_factory):
-    """2,000 short documents (plus empty and null rows) in C4's schema, as JSON lines."""
-    texts = stdlib_docstring_texts()[:N_DOCS]
-    path = tmp_path_factory.mktemp("c4_2k") / "c4-train.00000-of-00001.json"
-    with open(path, "w", encoding="utf-8") as f:
-        for i, text in enumerate(texts):
-            if i % 97 == 5:
-                text = None if i % 2 else ""  # rows that must be counted but yield no document
-            else:
-                text = text[:300]
-            row = {
-                "text": text,
-                "timestamp": f"2019-04-{1 + i % 28:02d}T00:00:00Z",
-                "url": f"https://e.com/{i}",
-            }
-            f.write(json.dumps(row) + "\n")
-    return path
-
-
-def run2k(c4_2k, local_dataset, out, **kwargs):
-    kwargs.setdefault("workers", 0)
-    kwargs.setdefault("progress", False)
-    return preprocess(
-        "json", None, data_files=[str(c4_2k)], tokenizer=str(local_dataset.tokenizer_dir), out=out, **kwargs
-    )
-
-
-@pytest.fixture(scope="module")
-def reference(c4_2k, local_dataset, tmp_path_factory):
-    """The uninterrupted, in-process (workers=0) corpus: its index and tokens.bin bytes."""
-    out = tmp_path_factory.mktemp("ref") / "corpus"
-    index = run2k(c4_2k, local_dataset, out)
-    assert index.num_documents == N_DOCS - len(range(5, N_DOCS, 97))
-    assert index.resume["rows_read"] == N_DOCS and index.num_tokens > 50_000
-    return index, (out / TOKENS_FILE).read_bytes()
-
-
-def same_corpus(a, b):
-    """Equal indexes, up to the saved stream position (it depends on the chunk size used)."""
-
-    def strip(index):
-        return {**asdict(index), "resume": {k: v for k, v in index.resume.items() if k != "stream"}}
-
-    return strip(a) == strip(b)
-
-
-def tokens_of(folder):
-    return (Path(folder) / TOKENS_FILE).read_bytes()
-
-
-@pytest.mark.parametrize(("workers", "chunk_docs"), [(1, 64), (2, 100)])
-def test_worker_count_does_not_change_a_byte(c4_2k, local_dataset, reference, tmp_path, workers, chunk_docs):
-    index = run2k(c4_2k, local_dataset, tmp_path / "c", workers=workers, chunk_docs=chunk_docs)
-    assert tokens_of(tmp_path / "c") == reference[1]
-    assert same_corpus(index, reference[0])
-
-
-def test_budget_with_workers_is_a_prefix(c4_2k, local_dataset, reference, tmp_path):
-    budget = 12_345
-    index = run2k(c4_2k, local_dataset, tmp_path / "c", workers=2, chunk_docs=32, max_tokens=budget)
-    assert index.num_tokens == budget
-    assert tokens_of(tmp_path / "c") == reference[1][: 2 * budget]  # uint16
-
-
-# A child process that preprocesses until its 3rd commit, then stalls until it is killed.
-_KILLED_CHILD = r"""
-import sys, time
-from dataclasses import asdict
-from pathlib import Path
-import nanotron_recover.data.corpus as corpus
-from nanotron_recover.data.preprocess import preprocess
-
-data, tokenizer, out, marker = sys.argv[1:5]
-commit = corpus.CorpusWriter.commit
-commits = 0
-
-def commit_then_stall(self, resume=None):
-    global commits
-    index = commit(self, resume)
-    commits += 1
-    if commits == 3:
-        Path(marker).write_text(str(index.num_tokens))
-        time.sleep(600)
-    return index
-
-corpus.CorpusWriter.commit = commit_then_stall
-preprocess("json", None, data_files=[data], tokenizer=tokenizer, out=Path(out), progress=False,
-           workers=2, chunk_docs=50, commit_tokens=1)
+# -- slurm executor ------------------------------------------------------------------------------
+FAKE_SBATCH = """#!/bin/bash
+# Records each submitted script, answers like sbatch.
+n=$(ls "$SBATCH_LOG"/*.sbatch 2>/dev/null | wc -l)
+cp "${@: -1}" "$SBATCH_LOG/$n.sbatch"
+echo "$@" > "$SBATCH_LOG/$n.args"
+echo "Submitted batch job $((4242 + n))"
 """
 
 
-def live_processes_in_group(pgid):
-    """Pids in process group ``pgid`` that have not exited (zombies count as exited)."""
-    live = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited while we looked
-        state, group = fields[0], int(fields[2])
-        if group == pgid and state != "Z":
-            live.append(int(stat.parent.name))
-    return live
-
-
-def test_sigkill_then_rerun_gives_the_uninterrupted_bytes(c4_2k, local_dataset, reference, tmp_path):
-    out, marker = tmp_path / "c", tmp_path / "committed"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    args = [str(c4_2k), str(local_dataset.tokenizer_dir), str(out), str(marker)]
-    child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, *args], env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not marker.exists():
-            assert child.poll() is None, f"child exited early with {child.returncode}"
-            assert time.monotonic() < deadline, "child never reached its 3rd commit"
-            time.sleep(0.1)
-        # The child, its 2 tokenizing workers and multiprocessing's resource tracker.
-        assert len(live_processes_in_group(child.pid)) == 4
-        child.send_signal(signal.SIGKILL)  # no cleanup of any kind runs in the child
-        assert child.wait(timeout=60) == -signal.SIGKILL
-        # Its tokenizing workers notice the orphaning and exit by themselves, within seconds.
-        deadline = time.monotonic() + 30
-        while live_processes_in_group(child.pid):
-            assert time.monotonic() < deadline, "tokenizing workers outlived their killed parent"
-            time.sleep(0.2)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        try:  # whatever is left of the child's session (nothing, if the check above passed)
-            os.killpg(child.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    killed = CorpusIndex.read(out)
-    assert not killed.complete and killed.num_tokens == int(marker.read_text()) > 0
-    assert 0 < killed.resume["rows_read"] < N_DOCS
-    with pytest.raises(ValueError, match="did not finish"):
-        TokenCorpus.open(out)
-    # Tokens flushed after the last commit (a crash between append and index) must be dropped.
-    with open(out / TOKENS_FILE, "ab") as f:
-        f.write(b"\xff\x01" * 999)
-
-    lines = []
-    index = run2k(c4_2k, local_dataset, out, workers=2, chunk_docs=50, log=lines.append)
-    assert len(lines) == 1 and "resuming" in lines[0] and f"row {killed.resume['rows_read']:,}" in lines[0]
-    assert "from the dataset's saved position" in lines[0]  # not by re-reading every row before it
-    assert tokens_of(out) == reference[1]
-    assert same_corpus(index, reference[0])
-
-
-class Interrupt(Exception):
-    pass
-
-
-def interrupt_after_commits(monkeypatch, n):
-    """Make the n-th commit raise (after it is durable), like a crash right after it."""
-    commit = corpus_mod.CorpusWriter.commit
-    count = {"n": 0}
-
-    def patched(self, resume=None):
-        index = commit(self, resume)
-        count["n"] += 1
-        if count["n"] == n:
-            raise Interrupt
-        return index
-
-    monkeypatch.setattr(corpus_mod.CorpusWriter, "commit", patched)
-
-
-@pytest.mark.parametrize(("budget", "workers"), [(None, 0), (30_001, 0), (20_000, 2)])
-def test_interrupted_runs_compose_with_the_budget(
-    c4_2k, local_dataset, reference, tmp_path, monkeypatch, budget, workers
+def test_slurm_executor_submits_a_job_array_with_the_slurm_options(
+    docstring_shards, tok_dir, tmp_path, monkeypatch, capsys
 ):
-    out = tmp_path / "c"
-    small_commits = {"chunk_docs": 20, "commit_tokens": 1}  # a commit after every 20 documents
-    # Two interruptions, so that a resumed run is itself resumed.
-    for n in (2, 3):
-        with monkeypatch.context() as m:
-            interrupt_after_commits(m, n)
-            with pytest.raises(Interrupt):
-                run2k(c4_2k, local_dataset, out, max_tokens=budget, workers=workers, **small_commits)
-        assert not CorpusIndex.read(out).complete
-    index = run2k(c4_2k, local_dataset, out, max_tokens=budget, workers=workers, **small_commits)
-    fresh = run2k(c4_2k, local_dataset, tmp_path / "fresh", max_tokens=budget)
-    assert tokens_of(out) == tokens_of(tmp_path / "fresh") == reference[1][: 2 * (budget or 10**9)]
-    assert same_corpus(index, fresh)
+    files, _ = docstring_shards
+    bin_dir, log = tmp_path / "bin", tmp_path / "submitted"
+    bin_dir.mkdir()
+    log.mkdir()
+    (bin_dir / "sbatch").write_text(FAKE_SBATCH)
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SBATCH_LOG", str(log))
+    argv = ["--data-files", *map(str, files), "--tokenizer", tok_dir, "--out", str(tmp_path / "out")]
+    argv += ["--tasks", "2", "--executor", "slurm", "--partition", "cpu", "--account", "proj42"]
+    argv += ["--time", "02:00:00", "--sbatch-arg=--qos=high", "--workers", "1"]
+    assert run_preprocess(parse(argv)) == 0
+    assert "submitted Slurm job 4242 (2 task(s))" in capsys.readouterr().out
+    script = (log / "0.sbatch").read_text()
+    for line in ("--partition=cpu", "--account=proj42", "--time=02:00:00", "--qos=high", "--array=0-1%1"):
+        assert f"#SBATCH {line}" in script.splitlines(), script
+    assert "--qos=normal" not in script
+    assert f"export PATH={Path(sys.executable).parent}:$PATH" in script
+    assert "launch_pickled_pipeline" in script and str(tmp_path / "out" / DEFAULT_LOGGING_DIR) in script
+    assert (tmp_path / "out" / DEFAULT_LOGGING_DIR / "executor.pik").is_file()
+    # Then datatrove's stats-merging job, once the array is done.
+    assert "--dependency=afterok:4242" in (log / "1.sbatch").read_text() + (log / "1.args").read_text()
+
+    path = [p for p in os.environ["PATH"].split(os.pathsep) if p != str(bin_dir)]
+    monkeypatch.setenv("PATH", os.pathsep.join(path))  # no sbatch: the errors come before submitting
+    no_partition = [a for a in argv if a not in ("--partition", "cpu")]
+    assert run_preprocess(parse(no_partition)) == 2
+    assert "--executor slurm needs --partition" in capsys.readouterr().err
+    bad_time = [("two days" if a == "02:00:00" else a) for a in argv]
+    assert run_preprocess(parse(bad_time)) == 2
+    assert "is not a Slurm time" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
-def c4_shards(c4_2k, tmp_path_factory):
-    """The same 2,000 rows split over three files, as C4 is split over many."""
-    lines = c4_2k.read_text(encoding="utf-8").splitlines(keepends=True)
-    folder = tmp_path_factory.mktemp("shards")
-    paths = []
-    for i, (a, b) in enumerate([(0, 700), (700, 1300), (1300, N_DOCS)]):
-        path = folder / f"c4-train.{i:05d}-of-00003.json"
-        path.write_text("".join(lines[a:b]), encoding="utf-8")
-        paths.append(str(path))
-    return paths
+def slurm():
+    from slurm_local.cluster import LocalSlurm, SlurmUnavailable, ensure_installed
 
-
-@pytest.mark.parametrize("resume_chunk_docs", [40, 64])
-def test_resume_across_shards(c4_shards, local_dataset, reference, tmp_path, monkeypatch, resume_chunk_docs):
-    out = tmp_path / "c"
-    kwargs = {"data_files": c4_shards, "tokenizer": str(local_dataset.tokenizer_dir), "out": out}
-    kwargs.update(progress=False, workers=0, commit_tokens=1)
-    with monkeypatch.context() as m:
-        interrupt_after_commits(m, 30)  # after row 1,200, inside the second file
-        with pytest.raises(Interrupt):
-            preprocess("json", None, chunk_docs=40, **kwargs)
-    assert CorpusIndex.read(out).resume["rows_read"] == 1200
-    lines = []
-    preprocess("json", None, chunk_docs=resume_chunk_docs, log=lines.append, **kwargs)
-    # The saved dataset position is only valid for the chunk size it was taken with; with
-    # another, the rows are re-read and counted off instead. Same bytes either way.
-    if resume_chunk_docs == 40:
-        assert "saved position at row 1,200" in lines[0]
-    else:
-        assert "re-reading the rows before it" in lines[0]
-    assert tokens_of(out) == reference[1]
-
-
-@pytest.mark.parametrize("chunk_docs", [512, 20])
-def test_larger_budget_extends_a_complete_corpus(c4_2k, local_dataset, reference, tmp_path, chunk_docs):
-    out = tmp_path / "c"
-    small = run2k(c4_2k, local_dataset, out, max_tokens=10_001, chunk_docs=chunk_docs)
-    assert small.complete and small.resume["partial_tokens"] > 0  # its last document was cut short
-    lines = []
-    index = run2k(c4_2k, local_dataset, out, max_tokens=25_000, chunk_docs=chunk_docs, log=lines.append)
-    assert "extending" in lines[0] and f"row {small.resume['rows_read'] - 1:,}" in lines[0]
-    # Small chunks: the last whole chunk before the cut left a saved position to start from.
-    assert ("saved position" in lines[0]) == (chunk_docs == 20)
-    assert same_corpus(index, run2k(c4_2k, local_dataset, tmp_path / "fresh", max_tokens=25_000))
-    assert tokens_of(out) == reference[1][:50_000]
-    # ...and then to the whole dataset.
-    assert same_corpus(run2k(c4_2k, local_dataset, out, chunk_docs=chunk_docs), reference[0])
-    assert tokens_of(out) == reference[1]
-
-
-def test_budget_on_a_document_boundary_extends_without_redoing_it(c4_2k, local_dataset, reference, tmp_path):
-    tokens = np.frombuffer(reference[1], dtype=np.uint16)
-    boundary = int(np.flatnonzero(tokens == 1)[40]) + 1  # just after the 41st document's eos
-    out = tmp_path / "c"
-    small = run2k(c4_2k, local_dataset, out, max_tokens=boundary)
-    assert small.num_documents == 41 and small.resume["partial_tokens"] == 0
-    assert same_corpus(run2k(c4_2k, local_dataset, out), reference[0])
-    assert tokens_of(out) == reference[1]
-
-
-def test_complete_corpus_is_left_alone(c4_2k, local_dataset, reference, tmp_path):
-    out = tmp_path / "c"
-    run2k(c4_2k, local_dataset, out, max_tokens=5000)
-    before = (out / TOKENS_FILE).stat().st_mtime_ns, (out / INDEX_FILE).read_bytes()
-    lines = []
-    result = preprocess_run(
-        "json",
-        None,
-        data_files=[str(c4_2k)],
-        tokenizer=str(local_dataset.tokenizer_dir),
-        out=out,
-        max_tokens=5000,
-        progress=False,
-        workers=0,
-        log=lines.append,
-    )
-    assert result.status == "complete" and result.tokens_written == 0
-    assert len(lines) == 1 and "already complete" in lines[0]
-    assert ((out / TOKENS_FILE).stat().st_mtime_ns, (out / INDEX_FILE).read_bytes()) == before
-    # A corpus that reached the end of the data is complete for any larger budget too.
-    whole = tmp_path / "whole"
-    run2k(c4_2k, local_dataset, whole)
-    lines = []
-    assert same_corpus(run2k(c4_2k, local_dataset, whole, max_tokens=10**9, log=lines.append), reference[0])
-    assert "already complete" in lines[0]
-
-
-def test_budget_below_what_is_written_is_refused(c4_2k, local_dataset, tmp_path):
-    run2k(c4_2k, local_dataset, tmp_path / "c", max_tokens=5000)
-    with pytest.raises(InputError, match=r"already holds 5,000 tokens, more than --max-tokens 4,999"):
-        run2k(c4_2k, local_dataset, tmp_path / "c", max_tokens=4999)
-
-
-@pytest.fixture(scope="module")
-def other_tokenizer(tmp_path_factory):
-    return build_local_tokenizer(tmp_path_factory.mktemp("tok300") / "tok", vocab_size=300)
-
-
-@pytest.mark.parametrize(
-    ("change", "named"),
-    [
-        ({"split": "validation"}, "split: 'train' in the folder vs 'validation' given"),
-        ({"text_column": "url"}, "text_column: 'text' in the folder vs 'url' given"),
-        ({"dataset": "csv"}, "dataset: 'json' in the folder vs 'csv' given"),
-        ({"name": "en"}, "name: None in the folder vs 'en' given"),
-        ({"data_files": ["other.json"]}, "data_files:"),
-        ({"tokenizer": "OTHER"}, "tokenizer:"),
-    ],
-)
-def test_folder_from_another_source_is_an_input_error(
-    c4_2k, local_dataset, other_tokenizer, tmp_path, monkeypatch, change, named
-):
-    out = tmp_path / "c"
-    interrupt_after_commits(monkeypatch, 1)
-    with pytest.raises(Interrupt):
-        run2k(c4_2k, local_dataset, out, commit_tokens=1000)
-    monkeypatch.undo()
-    committed = (out / INDEX_FILE).read_bytes()
-    kwargs = {
-        "dataset": "json",
-        "name": None,
-        "data_files": [str(c4_2k)],
-        "tokenizer": str(local_dataset.tokenizer_dir),
-        "split": "train",
-        "text_column": "text",
-        **change,
-    }
-    if kwargs["tokenizer"] == "OTHER":
-        kwargs["tokenizer"] = str(other_tokenizer)
-    dataset, name = kwargs.pop("dataset"), kwargs.pop("name")
-    with pytest.raises(InputError, match="holds a corpus made differently") as info:
-        preprocess(dataset, name, out=out, progress=False, workers=0, **kwargs)
-    message = str(info.value)
-    assert named in message and "\n" not in message and "--out" in message
-    assert (out / INDEX_FILE).read_bytes() == committed  # untouched
-
-
-def test_moved_tokenizer_still_resumes(c4_2k, local_dataset, reference, tmp_path, monkeypatch):
-    # The fingerprint, not the path, identifies the tokenizer.
-    out = tmp_path / "c"
-    interrupt_after_commits(monkeypatch, 2)
-    with pytest.raises(Interrupt):
-        run2k(c4_2k, local_dataset, out, commit_tokens=3000)
-    monkeypatch.undo()
-    moved = shutil.copytree(local_dataset.tokenizer_dir, tmp_path / "moved-tokenizer")
-    index = preprocess(
-        "json", None, data_files=[str(c4_2k)], tokenizer=str(moved), out=out, progress=False, workers=0
-    )
-    assert tokens_of(out) == reference[1] and index.num_tokens == reference[0].num_tokens
-
-
-def test_failed_start_with_nothing_committed_is_started_over(c4_2k, local_dataset, reference, tmp_path):
-    out = tmp_path / "c"
-    with pytest.raises(InputError, match="no column 'body'"):
-        run2k(c4_2k, local_dataset, out, text_column="body")
-    assert same_corpus(run2k(c4_2k, local_dataset, out), reference[0])
-
-
-def test_unreadable_index_is_an_input_error(c4_2k, local_dataset, tmp_path):
-    out = tmp_path / "c"
-    out.mkdir()
-    (out / INDEX_FILE).write_text("{oops")
-    with pytest.raises(InputError, match="unreadable corpus index"):
-        run2k(c4_2k, local_dataset, out)
-
-
-def test_out_that_is_a_file_is_an_input_error(c4_2k, local_dataset, tmp_path):
-    (tmp_path / "c").write_text("not a folder")
-    with pytest.raises(InputError, match="is a file"):
-        run2k(c4_2k, local_dataset, tmp_path / "c")
-
-
-def test_budget_already_filled_when_resumed(c4_2k, local_dataset, reference, tmp_path, monkeypatch):
-    # Interrupted with exactly `budget` tokens committed: the rerun only has to mark it complete.
-    out = tmp_path / "c"
-    with monkeypatch.context() as m:
-        interrupt_after_commits(m, 3)
-        with pytest.raises(Interrupt):
-            run2k(c4_2k, local_dataset, out, chunk_docs=20, commit_tokens=1)
-    committed = CorpusIndex.read(out)
-    index = run2k(c4_2k, local_dataset, out, chunk_docs=20, max_tokens=committed.num_tokens)
-    assert index.complete and index.num_tokens == committed.num_tokens
-    assert index.resume["rows_read"] == 60 and index.resume["stream"] == committed.resume["stream"]
-    assert tokens_of(out) == reference[1][: 2 * committed.num_tokens]
-    # ...and it can still be extended, from the saved position.
-    lines = []
-    assert same_corpus(run2k(c4_2k, local_dataset, out, chunk_docs=20, log=lines.append), reference[0])
-    assert "saved position at row 60" in lines[0]
-
-
-def test_a_second_writer_on_the_same_folder_is_refused(c4_2k, local_dataset, tmp_path):
-    out = tmp_path / "c"
-    out.mkdir()
-    fd = os.open(out, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a concurrent preprocess would hold it
-        with pytest.raises(InputError, match="another `nanotron-recover preprocess` is writing"):
-            run2k(c4_2k, local_dataset, out)
+        ensure_installed()
+    except SlurmUnavailable as e:
+        pytest.skip(f"no Slurm: {e}")
+    cluster = LocalSlurm().start()
+    try:
+        yield cluster
     finally:
-        os.close(fd)
-    assert run2k(c4_2k, local_dataset, out, max_tokens=100).num_tokens == 100
+        cluster.stop()
 
 
-def test_bad_workers_and_chunk_docs(c4_2k, local_dataset, tmp_path):
-    with pytest.raises(InputError, match="workers"):
-        run2k(c4_2k, local_dataset, tmp_path / "c", workers=-1)
-    with pytest.raises(InputError, match="chunk_docs"):
-        run2k(c4_2k, local_dataset, tmp_path / "c", chunk_docs=0)
+@pytest.mark.mpi
+def test_slurm_job_array_writes_the_same_bytes_as_a_local_run(slurm, docstring_shards, tok_dir, tmp_path):
+    """A real (local) Slurm runs the datatrove job array `preprocess --executor slurm` submits."""
+    files, _ = docstring_shards
+    out = tmp_path / "slurm"
+    cmd = [sys.executable, "-m", "nanotron_recover.cli", "preprocess", "--data-files", *map(str, files)]
+    cmd += ["--tokenizer", tok_dir, "--out", str(out), "--tasks", "2", "--executor", "slurm"]
+    cmd += ["--partition", "debug", "--time", "10"]
+    env = dict(slurm.env, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO / "src"))
+    submit = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert submit.returncode == 0, submit.stderr[-3000:]
+    marks = [out / DEFAULT_LOGGING_DIR / "completions" / f"{r:05d}" for r in range(2)]
+    deadline = time.monotonic() + 240
+    while (slurm.job_ids() or not all(m.is_file() for m in marks)) and time.monotonic() < deadline:
+        time.sleep(1)
+    logs = "\n".join(p.read_text()[-2000:] for p in (out / DEFAULT_LOGGING_DIR / "slurm_logs").glob("*.out"))
+    assert all(m.is_file() for m in marks), logs + slurm.logs()
+    tokenize_to_nanoset(files, tmp_path / "local", tok_dir, tasks=2)
+    assert folder_bytes(out) == folder_bytes(tmp_path / "local")
+    assert summarize_nanoset(out).num_tokens == summarize_nanoset(tmp_path / "local").num_tokens
+    # Rerun: every task is complete, nothing is submitted.
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert again.returncode == 0 and "all 2 task(s) are complete; nothing submitted" in again.stdout
 
 
-def test_cli_resume_and_complete_messages(c4_2k, local_dataset, tmp_path, capsys, monkeypatch):
-    out = tmp_path / "cli"
-    argv = ["--dataset", "json", "--name", "none", "--data-files", str(c4_2k)]
-    argv += ["--tokenizer", str(local_dataset.tokenizer_dir), "--out", str(out), "--workers", "0"]
-    # The module, not the package's `preprocess` function of the same name.
-    monkeypatch.setattr(
-        importlib.import_module("nanotron_recover.data.preprocess"), "DEFAULT_COMMIT_TOKENS", 2000
-    )
-    with monkeypatch.context() as m:
-        interrupt_after_commits(m, 2)
-        with pytest.raises(Interrupt):
-            run_preprocess(make_parser().parse_args(argv))
-    capsys.readouterr()
-    assert run_preprocess(make_parser().parse_args(argv)) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 2 and "resuming" in lines[0] and "wrote" in lines[1] and "tok/s" in lines[1]
-    assert run_preprocess(make_parser().parse_args(argv)) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 1 and "already complete" in lines[0]
-    assert run_preprocess(make_parser().parse_args([*argv, "--split", "test"])) == 2
-    assert "split: 'train' in the folder vs 'test' given" in capsys.readouterr().err
-
-
-# -- the ordered worker pool ---------------------------------------------------------------
-def test_encode_chunks_is_ordered_bounded_and_cleans_up(tokenizer):
-    encoder = make_encoder(tokenizer)
-    texts = [t[:200] for t in stdlib_docstring_texts()[:600]]
-    chunks = [texts[i : i + 7] for i in range(0, len(texts), 7)]
-    serial = list(encode_chunks(encoder, chunks, workers=0))
-
-    pulled = []
-
-    def source():
-        for chunk in chunks:
-            pulled.append(chunk)
-            yield chunk
-
-    results = encode_chunks(encoder, source(), workers=2)
-    first = next(results)
-    assert len(pulled) <= 4  # at most 2 x workers chunks read ahead of the consumer
-    workers = multiprocessing.active_children()
-    assert len(workers) == 2  # really tokenized in other processes
-    parallel = [first, *results]
-    assert len(parallel) == len(serial)
-    for a, b in zip(parallel, serial, strict=True):
-        assert np.array_equal(a.ids, b.ids) and np.array_equal(a.lengths, b.lengths)
-    assert not any(p.is_alive() for p in workers)
-
-    # Stopping early (a token budget) terminates the pool instead of draining it.
-    results = encode_chunks(encoder, chunks, workers=2)
-    next(results)
-    workers = multiprocessing.active_children()
-    results.close()
-    assert workers and not any(p.is_alive() for p in workers)
-
-
-def test_single_chunk_needs_no_pool(tokenizer, monkeypatch):
-    def no_pool(*args, **kwargs):
-        raise AssertionError("a pool was started for a single chunk")
-
-    monkeypatch.setattr("multiprocessing.get_context", no_pool)
-    out = list(encode_chunks(make_encoder(tokenizer), [["one chunk", "", "only"]], workers=8))
-    assert len(out) == 1 and out[0].lengths[1] == 0 and out[0].lengths.size == 3
-
-
-@pytest.mark.parametrize("split_special_tokens", [False, True])
-def test_fast_encoder_matches_the_transformers_call(local_dataset, split_special_tokens):
-    tokenizer = AutoTokenizer.from_pretrained(
-        local_dataset.tokenizer_dir, split_special_tokens=split_special_tokens
-    )
-    texts = [t for t in TEXTS if t] + ["</s> special <s> tokens in text", "\t\n  \u00a0x"]
-    encoder = pickle.loads(pickle.dumps(make_encoder(tokenizer)))  # as a worker receives it
-    encoded = encoder(texts)
-    expected = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    assert encoded.lengths.tolist() == [len(ids) for ids in expected]
-    assert encoded.ids.tolist() == [i for ids in expected for i in ids]
-    assert (tokenizer.eos_token_id in encoded.ids.tolist()) == (not split_special_tokens)
-
-
-def test_fingerprint_is_by_content(local_dataset, other_tokenizer, tmp_path):
+# -- the rest of the package -----------------------------------------------------------------------
+def test_fingerprint_is_by_content(local_dataset, tmp_path):
     tok = AutoTokenizer.from_pretrained(local_dataset.tokenizer_dir)
     copy = shutil.copytree(local_dataset.tokenizer_dir, tmp_path / "copy")
+    other = build_local_tokenizer(tmp_path / "other", vocab_size=300)
     fp = tokenizer_fingerprint(tok)
     assert fp.startswith("sha256:") and fp == tokenizer_fingerprint(AutoTokenizer.from_pretrained(copy))
-    assert fp != tokenizer_fingerprint(AutoTokenizer.from_pretrained(other_tokenizer))
+    assert fp != tokenizer_fingerprint(AutoTokenizer.from_pretrained(other))
+
+
+def test_package_exports_resolve():
+    for name in data_pkg.__all__:
+        assert getattr(data_pkg, name) is not None
+    assert data_pkg.tokenize_to_nanoset is tokenize_to_nanoset

@@ -159,3 +159,18 @@ def test_init_depends_on_the_seed_and_the_name() -> None:
     assert not torch.equal(a.model.embed_tokens.weight, b.model.embed_tokens.weight)
     layer0, layer1 = a.model.layers["0"].mlp.up_proj.weight, a.model.layers["1"].mlp.up_proj.weight
     assert not torch.equal(layer0, layer1)
+
+
+def test_num_layers_init_scaling_shrinks_only_the_output_projections() -> None:
+    """Nanotron's default scaling_method NUM_LAYERS: o_proj and down_proj are drawn with
+    std / sqrt(2 * layers), every other weight with std; the same draws otherwise."""
+    cfg = _config(layers=3)
+    plain, scaled = LlamaStage(cfg), LlamaStage(cfg)
+    plain.init_weights(std=0.02, seed=5)
+    scaled.init_weights(std=0.02, seed=5, depth_scaled=True)
+    factor = (2 * 3) ** 0.5
+    for (name, a), (_, b) in zip(plain.named_parameters(), scaled.named_parameters(), strict=True):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert torch.allclose(b, a / factor), name
+        else:
+            assert torch.equal(a, b), name

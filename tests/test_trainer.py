@@ -90,8 +90,8 @@ def test_resume_on_another_layout(tmp_path, local_dataset, reference):
 
 
 def test_corpus_from_another_tokenizer_is_refused(tmp_path, local_dataset):
-    """The corpus index records its tokenizer; training with a config naming another one stops
-    with a one-line error instead of training on mismatched ids."""
+    """A Nanoset's .ds.metadata records its tokenizer; training with a config naming another one
+    stops with a one-line error instead of training on mismatched ids."""
     from nanotron_recover.data import build_local_tokenizer
 
     other = build_local_tokenizer(tmp_path / "other_tokenizer", vocab_size=300)

@@ -117,6 +117,13 @@ _DATA_KNOBS = frozenset(
         "dataset_processing_num_proc_per_process",
         "dataset_overwrite_cache",
         "validate_tokenizer",
+        # A local copy of the same folders, and fields that only restate the folders' metadata
+        # or change nothing here: the samples are the same.
+        "dataset_read_path",
+        "return_positions",
+        "tokenizer_name",
+        "vocab_size",
+        "token_size_in_bytes",
     }
 )
 
@@ -784,6 +791,8 @@ def _meta(
             for name, spec in specs.items()
         },
         "config_yaml": dump_config(cfg),
+        # The step the learning-rate schedule counts from (see resumed_lr_schedule_origin).
+        "lr_schedule_origin": cfg.lr_schedule_origin,
         **(extra or {}),
     }
 
@@ -958,6 +967,35 @@ class CheckpointReader:
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
+
+
+def resumed_lr_schedule_origin(cfg: Config, reader: CheckpointReader) -> int:
+    """The optimizer step the learning-rate schedule counts from once ``reader`` is resumed.
+
+    The rate of step ``s`` is ``lr_at(s - 1 - origin)``. A checkpoint records the origin of the run
+    that saved it (0 for a schedule never restarted, or for checkpoints from before it was
+    recorded), and resuming continues it -- except from a checkpoint named in
+    ``checkpoints.resume_checkpoint_path`` with ``checkpoints.load_lr_scheduler: false``: then, as
+    Nanotron builds a fresh scheduler, the schedule starts over (warm-up again) at its step. Resuming
+    this run's own checkpoints (an automatic resume, a relaunch) therefore continues the restarted
+    schedule, which every later checkpoint records.
+    """
+    ck = cfg.checkpoints
+    if ck.resume_checkpoint_path is not None and not ck.load_lr_scheduler:
+        return reader.step
+    return int(reader.meta.get("lr_schedule_origin", 0))
+
+
+def lr_schedule_origin_at_start(cfg: Config, checkpoints_path: str | Path) -> int:
+    """The origin :func:`resumed_lr_schedule_origin` gives the checkpoint a starting run would
+    resume (0 when there is none), reading only its ``meta.json``: for a process spawned into a
+    running job (re-join), which takes its state from a replica but needs the same schedule. Every
+    checkpoint the job saved records the origin, so its latest one gives it."""
+    explicit = cfg.checkpoints.resume_checkpoint_path
+    if explicit is not None:
+        return resumed_lr_schedule_origin(cfg, CheckpointReader(explicit))
+    step_dir = _find_step_dir(Path(checkpoints_path))
+    return 0 if step_dir is None else resumed_lr_schedule_origin(cfg, CheckpointReader(step_dir))
 
 
 def find_resume_checkpoint(

@@ -11,6 +11,10 @@ Memory per GPU is estimated for the heaviest pipeline stage:
   the fp32 logits of one micro-batch on the last stage.
 It is an estimate (allocator slack, communication buffers and CUDA context are not counted), made to
 catch layouts that cannot fit, not to replace a profile.
+
+The plan opens with the ``note:`` lines of the fields accepted although they run differently here
+(:func:`~nanotron_recover.config.validate.config_notes`), and says which steps the profiler records
+and where a benchmark row goes.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import Config
+from .config.validate import config_notes
 from .models.llama import count_parameters, stage_layers
 
 GIB = 1024**3
@@ -128,7 +133,22 @@ def plan_summary(cfg: Config) -> dict:
         "recover": cfg.recover.enabled,
         "stages": stages,
         "worst_stage": worst,
+        "notes": config_notes(cfg),
+        "profiler": _profiler_plan(cfg),
+        "benchmark_csv": str(cfg.general.benchmark_csv_path) if cfg.general.benchmark_csv_path else None,
     }
+
+
+def _profiler_plan(cfg: Config) -> str | None:
+    """What the profiler will record, in words (None: no profiler runs)."""
+    from .logging.profiler import StepProfiler
+
+    prof = cfg.profiler
+    if prof is None or prof.profiler_export_path is None:
+        return None
+    steps = StepProfiler.recorded_steps(prof, cfg.tokens.train_steps)
+    shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
+    return f"steps {shown} (of a run from step 1), one trace per rank and cycle under {prof.profiler_export_path}"
 
 
 def format_plan(summary: dict) -> str:
@@ -140,6 +160,7 @@ def format_plan(summary: dict) -> str:
         grid = f"tp={summary['tp']} x pp={summary['pp']} x dp={summary['replicas']}"
         where = f"heaviest stage = pp rank {w.pp_rank}"
     lines = [
+        *summary.get("notes", []),
         f"world size      {summary['world_size']}  ({grid})",
         f"replicas        {summary['replicas']}",
         f"B               {summary['B']} micro-batches per step (G={summary['G']} per replica)",
@@ -155,4 +176,8 @@ def format_plan(summary: dict) -> str:
         f"  snapshots     {w.snapshot_bytes / GIB:8.2f} GiB",
         f"  total         {w.total_bytes / GIB:8.2f} GiB",
     ]
+    if summary.get("profiler"):
+        lines.append(f"profiler        {summary['profiler']}")
+    if summary.get("benchmark_csv"):
+        lines.append(f"benchmark csv   {summary['benchmark_csv']} (a throughput row at the end of training)")
     return "\n".join(lines)

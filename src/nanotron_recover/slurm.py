@@ -321,9 +321,7 @@ def add_slurm_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"GPUs (= ranks) per node, default {DEFAULT_GPUS_PER_NODE}; 0 makes a CPU job",
     )
     parser.add_argument("--cpus-per-task", type=int, help="CPUs per rank (default 8 on GPUs, 1 on CPU)")
-    parser.add_argument("--partition", help="Slurm partition")
-    parser.add_argument("--account", help="Slurm account to charge")
-    parser.add_argument("--time", default=DEFAULT_TIME, help=f"time limit (default {DEFAULT_TIME})")
+    add_allocation_arguments(parser)
     parser.add_argument("--job-name", help="default: general.run, else the config's file name")
     parser.add_argument("--run-dir", help="metrics, logs and the job script (default runs/<config name>)")
     parser.add_argument("--out", help="where to write the script (default <run-dir>/job.sbatch)")
@@ -331,6 +329,16 @@ def add_slurm_arguments(parser: argparse.ArgumentParser) -> None:
         "--template",
         help="an sbatch template of your own (placeholders as in slurm/nanotron_recover.sbatch.in)",
     )
+    parser.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
+
+
+def add_allocation_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--partition``, ``--account``, ``--time`` and ``--sbatch-arg``: the Slurm options of every job
+    this package submits (``slurm``, and ``preprocess --executor slurm``), spelled the same everywhere.
+    :func:`check_allocation` checks their values."""
+    parser.add_argument("--partition", help="Slurm partition")
+    parser.add_argument("--account", help="Slurm account to charge")
+    parser.add_argument("--time", default=DEFAULT_TIME, help=f"time limit (default {DEFAULT_TIME})")
     parser.add_argument(
         "--sbatch-arg",
         dest="sbatch_args",
@@ -339,7 +347,20 @@ def add_slurm_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="OPTION",
         help="an extra #SBATCH option, e.g. --sbatch-arg=--qos=high (repeatable)",
     )
-    parser.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
+
+
+def check_allocation(partition: str | None, account: str | None, time: str, sbatch_args: list[str]) -> None:
+    """InputError, one line, for a value of :func:`add_allocation_arguments`'s options that an
+    #SBATCH line cannot hold (the same rules as :func:`render_sbatch`)."""
+    if not _TIME.match(time):
+        raise InputError(f"--time {time!r} is not a Slurm time (e.g. 90, 12:00:00, 2-00:00:00)")
+    if partition:
+        _sbatch_word("--partition", partition)
+    if account:
+        _sbatch_word("--account", account)
+    for extra in sbatch_args:
+        if "\n" in extra or not extra.startswith("-"):
+            raise InputError(f"--sbatch-arg {extra!r} must be one sbatch option, e.g. --qos=high")
 
 
 def _wandb_settings(cfg: Config) -> dict:

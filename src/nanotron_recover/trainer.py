@@ -28,13 +28,24 @@ from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointError, PendingSave, find_resume_checkpoint, latest_step
-from .config import Config, TokenizedDatasetArgs
-from .data import MicroBatchSource, build_microbatch_source
+from .checkpoint import (
+    CheckpointError,
+    PendingSave,
+    find_resume_checkpoint,
+    latest_step,
+    lr_schedule_origin_at_start,
+    resumed_lr_schedule_origin,
+)
+from .config import Config
+from .config.validate import config_notes
+from .data import MicroBatchSource
+from .data.stages import DataStages
 from .data_parallel import DataParallelMode, JoinedState, Parked, ReplicaParts
 from .engines import ModelEngine, build_model_engine
 from .errors import ExitCode, InputError, StopRun
 from .logging import MetricsWriter, ids_digest
+from .logging.benchmark import append_row, benchmark_row
+from .logging.profiler import StepProfiler
 from .logging.progress import Progress
 from .logging.wandb_logger import RunLogger, run_name_for_config
 from .optim import lr_at
@@ -76,7 +87,7 @@ class DistributedTrainer:
         self.checkpoints_path = (
             Path(ck.checkpoints_path) if ck.checkpoints_path else self.run_dir / "checkpoints"
         )
-        self._sources: dict[int, MicroBatchSource] = {}
+        self._data = DataStages(cfg)
         self.target_step = cfg.tokens.train_steps
         # Bad input found now (a damaged checkpoint, a truncated corpus, another tokenizer's corpus)
         # may show on some ranks only: every rank learns the first error and stops the same way,
@@ -87,8 +98,7 @@ class DistributedTrainer:
             # Spawned into a running job (re-join): the state comes from a healthy replica, and the
             # job's start-up checks are long past.
             try:
-                for stage in cfg.data_stages:
-                    self.source_for(max(stage.start_training_step, 1))
+                self._data.open_all()
                 self.start_step = self._adopt(joined)
             except BaseException as error:
                 self.dp_mode.abort(error)  # an exception exit would leave the job waiting for us
@@ -96,9 +106,8 @@ class DistributedTrainer:
         else:
             try:
                 self.engine: ModelEngine = build_model_engine(cfg, self.world, self.ctx)
-                # Open (and so check) every data stage's corpus now, not when its first step comes.
-                for stage in cfg.data_stages:
-                    self.source_for(max(stage.start_training_step, 1))
+                # Open (and so check) every data stage's folders now, not when its first step comes.
+                self._data.open_all()
                 self.start_step = self._maybe_resume()
             except (InputError, CheckpointError, OSError) as e:
                 error = " ".join(str(e).split())
@@ -119,6 +128,10 @@ class DistributedTrainer:
         old = getattr(self, "engine", None)
         if old is not None:
             old.close()
+        else:
+            # Spawned into the job: the learning-rate schedule's origin is the job's, which its
+            # checkpoints record (a parked rank kept its own, the same).
+            self.cfg.lr_schedule_origin = lr_schedule_origin_at_start(self.cfg, self.checkpoints_path)
         self.world, self.ctx = joined.world, joined.ctx
         self.engine = build_model_engine(self.cfg, self.world, self.ctx)
         self.engine.import_state(joined.engine_state)
@@ -142,23 +155,7 @@ class DistributedTrainer:
 
     # -- data --------------------------------------------------------------------------------
     def source_for(self, step: int) -> MicroBatchSource:
-        stage = self.cfg.stage_for_step(step)
-        key = stage.start_training_step
-        if key not in self._sources:
-            ds = stage.data.dataset
-            folder = ds.dataset_folder if isinstance(ds, TokenizedDatasetArgs) else None
-            check_tokenizer = isinstance(ds, TokenizedDatasetArgs) and ds.validate_tokenizer
-            t = self.cfg.tokens
-            self._sources[key] = build_microbatch_source(
-                folder,
-                vocab_size=self.cfg.model.model_config.vocab_size,
-                micro_batch_size=t.micro_batch_size,
-                sequence_length=t.sequence_length,
-                seed=stage.data.seed if stage.data.seed is not None else self.cfg.general.seed,
-                # The corpus must come from the config's tokenizer (checked against its index).
-                tokenizer_name_or_path=self.cfg.tokenizer.tokenizer_name_or_path if check_tokenizer else None,
-            )
-        return self._sources[key]
+        return self._data.for_step(step)
 
     # -- checkpoints -------------------------------------------------------------------------
     def _maybe_resume(self) -> int:
@@ -169,11 +166,19 @@ class DistributedTrainer:
         ck = self.cfg.checkpoints
         reader = find_resume_checkpoint(self.cfg, self.checkpoints_path, rank=self.world.rank)
         if reader is None:
+            self.cfg.lr_schedule_origin = 0  # a fresh run's schedule starts at its first step
             return 0
         self.engine.load(reader, ck.load_optimizer)
         reader.load_rng(self.world.rank, self.world.size)
+        self.cfg.lr_schedule_origin = resumed_lr_schedule_origin(self.cfg, reader)
         if self.world.rank == 0:
             print(f"[nanotron-recover] resumed from {reader.path} at step {reader.step}", flush=True)
+            if self.cfg.lr_schedule_origin:
+                print(
+                    "[nanotron-recover] the learning-rate schedule counts from step "
+                    f"{self.cfg.lr_schedule_origin} (checkpoints.load_lr_scheduler: false)",
+                    flush=True,
+                )
         return reader.step
 
     def save(self, step: int, synchronous: bool = False) -> Path | None:
@@ -245,7 +250,9 @@ class DistributedTrainer:
         reduced = self.dp_mode.reduced_gradients(step)
         self.dp_mode.before_optimizer()
         with self.dp_mode.local_phase("optimizer"):
-            lr = lr_at(step - 1, self.cfg.optimizer.learning_rate_scheduler, self.cfg.tokens.train_steps)
+            # 0-based rate index, counted from the schedule's origin (0 unless restarted on resume).
+            k = step - 1 - self.cfg.lr_schedule_origin
+            lr = lr_at(k, self.cfg.optimizer.learning_rate_scheduler, self.cfg.tokens.train_steps)
             grad_norm = self.engine.optimizer_step(lr)
         dt = time.perf_counter() - t0
         return StepResult(step, reduced.loss, lr, grad_norm, reduced.ids, dt, reduced.replicas, reduced.extra)
@@ -256,6 +263,9 @@ class DistributedTrainer:
         ck = self.cfg.checkpoints
         results = []
         if self.dp_mode.is_logger():
+            # Fields accepted although they run differently here (same math) say so once.
+            for note in config_notes(self.cfg):
+                print(f"[nanotron-recover] {note}", flush=True)
             # A resumed run redoes the steps after its checkpoint: drop their old records.
             self._start_reporting(truncate_after_step=self.start_step)
         if ck.save_initial_state and self.start_step == 0:
@@ -264,10 +274,19 @@ class DistributedTrainer:
         self.target_step = last
         final_save = ck.save_final_state or stop_after_step is not None
         self.dp_mode.set_target(last)
+        profiler = StepProfiler.for_run(
+            self.cfg.profiler,
+            self.run_dir.name,
+            f"replica{self.dp_mode.replica_id()}_{self.engine.digest_name}",
+        )
         try:
+            if profiler is not None:
+                profiler.start()
             step = self.start_step + 1
             while step <= last:
                 try:
+                    if profiler is not None:
+                        profiler.step(step)
                     r = self.train_step(step)
                     results.append(r)
                     self._log(r)
@@ -289,17 +308,39 @@ class DistributedTrainer:
                         raise
                     continue
                 step += 1
+            if profiler is not None:
+                profiler.stop()  # writes the trace of a cycle still recording
             try:
                 self.wait_for_save()
             except CheckpointError as e:
                 self.dp_mode.request_stop(StopRun("io", " ".join(str(e).split())))
             self.write_parameter_digest()
             self.dp_mode.finish(last, resave=self._resave_final if final_save else None)
+            if self.cfg.general.benchmark_csv_path is not None and self.dp_mode.is_logger():
+                self._write_benchmark_row([r.step_time_s for r in results])
         except Exception as error:
+            if profiler is not None:
+                profiler.stop()
             self.run_logger.finish(exit_code=1)
             self.dp_mode.abort(error)
             raise
         return results
+
+    def _write_benchmark_row(self, step_times_s: list[float]) -> None:
+        """Append this run's throughput row to ``general.benchmark_csv_path`` (logging rank). A row
+        that cannot be written is reported, not fatal: the training it measures is done."""
+        path = self.cfg.general.benchmark_csv_path
+        row = benchmark_row(
+            self.cfg, step_times_s, self.cfg.general.run or self.run_dir.name, self.cfg.world_size
+        )
+        try:
+            append_row(path, row)
+        except OSError as e:
+            print(
+                f"[nanotron-recover] could not write benchmark row to {path}: {e}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def write_parameter_digest(self) -> Path:
         """``<run_dir>/parameters/replica<r>_pp<p>_tp<t>.sha256``: a digest of this rank's parameters
@@ -333,16 +374,20 @@ class DistributedTrainer:
         """Every rank keeps the records of recent steps; the logging rank writes them. A rank that
         takes over logging from a failed replica first writes the committed steps its predecessor
         did not get to (all replicas hold the same values for a committed step)."""
-        tokens_per_step = self.cfg.tokens_per_step
+        t = self.cfg.tokens
+        # B micro-batches a step, except in the adaptive world's ablation, which drops lost ones.
+        tokens = len(r.ids) * t.micro_batch_size * t.sequence_length
+        before = self._history[-1] if self._history and self._history[-1]["step"] == r.step - 1 else None
+        consumed = (before["consumed_tokens"] if before else (r.step - 1) * self.cfg.tokens_per_step) + tokens
         record = {
             "step": r.step,
             "loss": r.loss,
             "lr": r.lr,
             "grad_norm": r.grad_norm,
-            "tokens": tokens_per_step,
-            "consumed_tokens": r.step * tokens_per_step,
+            "tokens": tokens,
+            "consumed_tokens": consumed,
             "step_time_s": r.step_time_s,
-            "tokens_per_s": tokens_per_step / r.step_time_s,
+            "tokens_per_s": tokens / r.step_time_s,
             "replicas": r.replicas,
             "ids_digest": ids_digest(r.ids),
             "time": time.time(),

@@ -20,17 +20,20 @@ from .schema import (
     LlamaConfig,
     LoggingArgs,
     LRSchedulerArgs,
+    MetricsLoggingArgs,
     ModelArgs,
+    NanosetDatasetsArgs,
     OptimizerArgs,
     ParallelismArgs,
+    ProfilerArgs,
+    Qwen2Config,
     RandomFaults,
     RecoverArgs,
     RejoinArgs,
-    TokenizedDatasetArgs,
     TokenizerArgs,
     TokensArgs,
 )
-from .validate import check_world_size, validate_config
+from .validate import check_world_size, config_notes, validate_config
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +71,6 @@ def dump_config(cfg: Config) -> str:
 
 
 __all__ = [
-    "add_config_arguments",
     "CheckpointsArgs",
     "Config",
     "ConfigError",
@@ -81,17 +83,22 @@ __all__ = [
     "LRSchedulerArgs",
     "LlamaConfig",
     "LoggingArgs",
+    "MetricsLoggingArgs",
     "ModelArgs",
+    "NanosetDatasetsArgs",
     "OptimizerArgs",
     "ParallelismArgs",
+    "ProfilerArgs",
+    "Qwen2Config",
     "RandomFaults",
     "RecoverArgs",
     "RejoinArgs",
-    "TokenizedDatasetArgs",
     "TokenizerArgs",
     "TokensArgs",
+    "add_config_arguments",
     "apply_override",
     "check_world_size",
+    "config_notes",
     "config_from_dict",
     "dump_config",
     "from_dict",

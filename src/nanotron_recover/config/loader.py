@@ -5,6 +5,11 @@ type hints and refuses anything it does not understand: an unknown key is an err
 key and the section it appeared in, and a value of the wrong type names the field, what it expected
 and what it got. That strictness is the point: a typo in a 512-GPU job's YAML must fail in the
 first second, not silently fall back to a default.
+
+Two hooks let a section speak Nanotron: a ``REFUSED_KEYS`` class table gives keys Nanotron knows
+(its older schema, other models' options) their own one-line refusal instead of "unknown key", and
+a ``yaml_variant`` classmethod picks the class a mapping describes (``model_config``: LLaMA or
+Qwen2) or refuses another model before its keys are checked.
 """
 
 from __future__ import annotations
@@ -58,6 +63,16 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             if type(None) in options:
                 return None
             raise ConfigError(f"{where}: must not be null")
+        # A mapping that holds a required key of exactly one section type is that section: its own
+        # error (an unknown key, a wrong type) says more than "expected A or B".
+        if isinstance(value, dict):
+            claimed = [
+                o
+                for o in options
+                if dataclasses.is_dataclass(o) and set(value) & _required_keys(o)  # type: ignore[arg-type]
+            ]
+            if len(claimed) == 1:
+                return _convert(value, claimed[0], where)
         errors = []
         for option in options:
             if option is type(None):
@@ -74,6 +89,11 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping (section {tp.__name__}), got {value!r}")
+        # A section with several Nanotron spellings (model_config: LLaMA or Qwen2) picks the class
+        # its keys name, or refuses a kind this engine does not train, before any key is checked.
+        variant = getattr(tp, "yaml_variant", None)
+        if variant is not None:
+            tp = variant(value, where)
         return from_dict(tp, value, where)
     if origin is list:
         (item_tp,) = typing.get_args(tp) or (Any,)
@@ -121,12 +141,26 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported annotation {tp!r}")
 
 
+def _required_keys(cls: type) -> set[str]:
+    """Fields of a section that have no default."""
+    return {
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+    }
+
+
 def from_dict(cls: type, data: dict, where: str = "") -> Any:
     """Build dataclass ``cls`` from ``data``; unknown keys and wrong types are ConfigErrors."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     section = where or "top level"
     unknown = sorted(set(data) - names, key=str)
+    # Keys Nanotron knows (now or in its older schema) that this engine refuses have their own
+    # one-line reason, looked up in the class's table order (the weightiest reason first).
+    for key, reason in getattr(cls, "REFUSED_KEYS", {}).items():
+        if key in unknown:
+            raise ConfigError(f"{where + '.' if where else ''}{key} {reason}")
     if unknown:
         raise ConfigError(
             f"unknown key {unknown[0]!r} in section {section!r} (allowed: {', '.join(sorted(names))})"
@@ -147,7 +181,8 @@ def from_dict(cls: type, data: dict, where: str = "") -> Any:
 def to_dict(obj: Any) -> Any:
     """Dataclass -> plain YAML-serialisable structure (paths become strings)."""
     if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        # Fields outside __init__ are run-time state, not configuration (and from_dict refuses them).
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
     if isinstance(obj, list):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):

@@ -4,9 +4,11 @@ Every check here reads only the config, so every rank that loads the same file r
 verdict before anything is started. A value is refused when training cannot run with it (or a
 fault could never fire), and the message names the key and the range it accepts.
 
-A Nanotron field this engine accepts either takes effect or, where only one behaviour is
-implemented, accepts only that value (the Nanotron default): any other value is refused with the
-field, the value given, the value that runs and why (:data:`FIXED_FIELDS`), never silently ignored.
+A Nanotron field this engine accepts either takes effect; or changes no math and runs the plain
+way, with a ``note:`` line saying so (:data:`NOTED_FIELDS`, :func:`config_notes`); or, where only
+one behaviour is implemented and another value would change the result, accepts only that value
+(the Nanotron default): any other value is refused with the field, the value given, the value that
+runs and why (:data:`MODEL_FIXED_FIELDS`, :data:`FIXED_FIELDS`), never silently ignored.
 """
 
 from __future__ import annotations
@@ -20,12 +22,21 @@ from typing import Any
 import yaml
 
 from .loader import ConfigError
-from .schema import Config, FaultSpec, HFDatasetArgs, TokenizedDatasetArgs
+from .schema import Config, FaultSpec, HFDatasetArgs, NanosetDatasetsArgs
 
 
 def validate_config(cfg: Config, check_paths: bool = True) -> None:
     """Raise ConfigError for a config that cannot train; ``check_paths`` also checks dataset folders."""
     p, m, t = cfg.parallelism, cfg.model.model_config, cfg.tokens
+    # A model this engine cannot build makes every other verdict moot: say so first.
+    _check_fixed(MODEL_FIXED_FIELDS, cfg)
+    interleaved = getattr(m, "interleaved_rotary", None)
+    if interleaved is not None and interleaved != m.rope_interleaved:
+        raise ConfigError(
+            f"model.model_config.interleaved_rotary={_yaml(interleaved)} disagrees with "
+            f"rope_interleaved={_yaml(m.rope_interleaved)}: interleaved_rotary is an older spelling of "
+            "rope_interleaved; remove it or set both the same"
+        )
     for name in ("dp", "tp", "pp", "dp_shard"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallelism.{name} must be >= 1, got {getattr(p, name)}")
@@ -75,11 +86,6 @@ def validate_config(cfg: Config, check_paths: bool = True) -> None:
         raise ConfigError(
             f"parallelism.pp={p.pp} is greater than model_config.num_hidden_layers="
             f"{m.num_hidden_layers}: every pipeline stage needs at least one layer"
-        )
-    if p.tp > 1 and p.tp_mode != "ALL_REDUCE":
-        raise ConfigError(
-            f"parallelism.tp_mode={p.tp_mode} (sequence parallelism) is not implemented: "
-            "set parallelism.tp_mode: ALL_REDUCE"
         )
     if m.rope_scaling is not None:
         _refuse("model.model_config.rope_scaling", m.rope_scaling, "null", "RoPE scaling is not implemented")
@@ -141,19 +147,17 @@ def validate_config(cfg: Config, check_paths: bool = True) -> None:
             raise ConfigError(
                 f"general.seed must be >= 0 (data_stages[{i}] draws its data with it), got {cfg.general.seed}"
             )
-        ds = stage.data.dataset
         where = f"data_stages[{i}].data.dataset"
-        if isinstance(ds, HFDatasetArgs):
+        ds = stage.data.dataset
+        if isinstance(ds, HFDatasetArgs) and check_paths:
+            # A dry run plans the job before the data is tokenized; training needs the tokens.
             raise ConfigError(
                 f"{where}: hf_dataset_or_datasets is tokenized on the fly by Nanotron; here run "
                 "`nanotron-recover preprocess` once and set dataset_folder to its output"
             )
-        if check_paths and isinstance(ds, TokenizedDatasetArgs) and not ds.dataset_folder.is_dir():
-            raise ConfigError(
-                f"{where}.dataset_folder {str(ds.dataset_folder)!r} does not exist: run "
-                "`nanotron-recover preprocess --out` into it or fix the path"
-            )
-        # Micro-batches are read from the token memmap by the training process itself. Nanotron's
+        if isinstance(ds, NanosetDatasetsArgs):
+            _validate_nanoset(ds, where, check_paths)
+        # Micro-batches are read from the Nanoset files by the training process itself. Nanotron's
         # default of one loader worker is accepted as the same thing (it changes only speed).
         workers = stage.data.num_loading_workers
         if workers not in (0, 1):
@@ -168,10 +172,92 @@ def validate_config(cfg: Config, check_paths: bool = True) -> None:
             "logging.iteration_step_info_interval must be >= 1 (print every that many steps), "
             f"got {cfg.logging.iteration_step_info_interval}"
         )
-    for key, get, allowed, why in FIXED_FIELDS:
+    _validate_profiler(cfg)
+    _check_fixed(FIXED_FIELDS, cfg)
+
+
+def _check_fixed(table: list[FixedField], cfg: Config) -> None:
+    """Refuse the first field of ``table`` whose value is not one of those that run."""
+    for key, get, allowed, why in table:
         value = get(cfg)
         if not any(value == a and type(value) is type(a) for a in allowed):
             _refuse(key, value, " or ".join(map(_yaml, allowed)), why)
+
+
+def _validate_profiler(cfg: Config) -> None:
+    """The profiler's schedule: its ranges, and (like Nanotron) a window that fits in the run."""
+    prof = cfg.profiler
+    if prof is None:
+        return
+    for name in ("wait", "warmup", "skip_first", "repeat"):
+        if getattr(prof, name) < 0:
+            raise ConfigError(f"profiler.{name} must be >= 0, got {getattr(prof, name)}")
+    if prof.active < 1:
+        raise ConfigError(f"profiler.active must be >= 1 (steps recorded per cycle), got {prof.active}")
+    if prof.profiler_export_path is not None:
+        window = prof.skip_first + prof.repeat * (prof.wait + prof.warmup + prof.active)
+        steps = cfg.tokens.train_steps
+        if window > steps:
+            raise ConfigError(
+                f"profiler: skip_first + repeat * (wait + warmup + active) = {window} steps is longer "
+                f"than the run (tokens.train_steps={steps}): shorten the profiling window or train longer"
+            )
+
+
+# Fields of Nanotron's NanosetDatasetsArgs read only by its tokenized-bytes loader, with the one
+# value implemented here: (field, accepted values, why).
+_NANOSET_FIXED: tuple[tuple[str, tuple[Any, ...], str], ...] = (
+    ("skip_in_stream", (False, None), "samples are addressed by micro-batch id, there is no stream to skip"),
+    (
+        "pad_samples_to_global_batch_size",
+        (False, None),
+        "every step reads exactly B micro-batches, so no padding is needed",
+    ),
+    ("dataset_max_tokens", (None,), "every folder is read whole (cut it when tokenizing)"),
+    ("shuffle_files", (False, None), "files are read in name order; samples are shuffled by the seed"),
+    ("use_old_brrr_dataloader", (False, None), "there is one data loader"),
+)
+
+
+def _validate_nanoset(ds: NanosetDatasetsArgs, where: str, check_paths: bool) -> None:
+    """A Nanoset stage: its folders, weights and read paths agree, and (``check_paths``) exist."""
+    folders = ds.folders()
+    if not folders:
+        raise ConfigError(f"{where}.dataset_folder: name at least one folder")
+    if len(set(folders)) != len(folders):
+        raise ConfigError(f"{where}.dataset_folder lists a folder twice: give it a larger weight instead")
+    if isinstance(ds.dataset_folder, dict) and ds.dataset_weights is not None:
+        raise ConfigError(
+            f"{where}: weights are given twice (a folder -> weight mapping and dataset_weights): keep one"
+        )
+    if ds.dataset_weights is not None and len(ds.dataset_weights) != len(folders):
+        raise ConfigError(
+            f"{where}.dataset_weights has {len(ds.dataset_weights)} weights for {len(folders)} folders"
+        )
+    weights = ds.weights()
+    if weights is not None and not all(math.isfinite(w) and w > 0 for w in weights):
+        raise ConfigError(f"{where}: dataset weights must be finite and > 0, got {weights}")
+    if ds.dataset_read_path is not None:
+        reads = [ds.dataset_read_path] if isinstance(ds.dataset_read_path, str) else ds.dataset_read_path
+        if len(reads) != len(folders):
+            raise ConfigError(
+                f"{where}.dataset_read_path has {len(reads)} paths for {len(folders)} folders: one per folder"
+            )
+    if ds.token_size_in_bytes not in (None, 2, 4):
+        raise ConfigError(f"{where}.token_size_in_bytes must be 2 or 4 (or null), got {ds.token_size_in_bytes}")
+    if ds.vocab_size is not None and ds.vocab_size < 1:
+        raise ConfigError(f"{where}.vocab_size must be >= 1 (or null), got {ds.vocab_size}")
+    for name, allowed, why in _NANOSET_FIXED:
+        value = getattr(ds, name)
+        if not any(value == a and type(value) is type(a) for a in allowed):
+            _refuse(f"{where}.{name}", value, " or ".join(map(_yaml, allowed)), why)
+    if check_paths:
+        for folder, read in zip(folders, ds.read_paths(), strict=True):
+            if not Path(read).is_dir():
+                raise ConfigError(
+                    f"{where}.dataset_folder {folder!r} does not exist: run "
+                    "`nanotron-recover preprocess --out` into it or fix the path"
+                )
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:
@@ -194,9 +280,85 @@ PLAIN_KINDS = ("kill",)
 ERROR_PHASES = ("forward", "backward", "recovery")
 
 
+FixedField = tuple[str, Callable[[Config], Any], tuple[Any, ...], str]
+
+
+def _qwen2(name: str, default: Any) -> Callable[[Config], Any]:
+    """Getter of a Qwen2Config-only field: the LLaMA value when the model_config is a LlamaConfig."""
+    return lambda c: getattr(c.model.model_config, name, default)
+
+
+# Fields that decide which model is built (checked before anything else): (key, getter, accepted
+# values, why no other value can take effect). Each accepted value is the dense-LLaMA one, which is
+# the Nanotron default; a Qwen2Config holding them is a LLaMA.
+MODEL_FIXED_FIELDS: list[FixedField] = [
+    (
+        "model.model_config.is_qwen2_config",
+        _qwen2("is_qwen2_config", True),
+        (True,),
+        "a Qwen2Config section is one that says is_qwen2_config: true (without it, it is a LlamaConfig)",
+    ),
+    (
+        "model.model_config.moe_config",
+        _qwen2("moe_config", None),
+        (None,),
+        "mixture-of-experts layers are not implemented (this engine trains dense LLaMA models)",
+    ),
+    (
+        "model.model_config.attention_bias",
+        lambda c: c.model.model_config.attention_bias,
+        (False,),
+        "the attention projections have no bias in LLaMA",
+    ),
+    (
+        "model.model_config.sliding_window_size",
+        _qwen2("sliding_window_size", None),
+        (None,),
+        "attention is full causal attention (no sliding window)",
+    ),
+    (
+        "model.model_config.flex_attention_mask",
+        _qwen2("flex_attention_mask", None),
+        (None,),
+        "attention is full causal attention over the whole sequence (no document or window mask)",
+    ),
+    (
+        "model.model_config._use_doc_masking",
+        _qwen2("_use_doc_masking", False),
+        (False,),
+        "documents packed into a sample are not masked from each other (positions run over the whole "
+        "sequence and every token is a label)",
+    ),
+    (
+        "model.model_config.no_rope_layer",
+        _qwen2("no_rope_layer", None),
+        (None,),
+        "every layer applies rotary embeddings",
+    ),
+    (
+        "model.model_config.rope_seq_len_interpolation_factor",
+        _qwen2("rope_seq_len_interpolation_factor", None),
+        (None,),
+        "RoPE position interpolation is not implemented",
+    ),
+    (
+        "model.model_config.z_loss_enabled",
+        lambda c: c.model.model_config.z_loss_enabled,
+        (False,),
+        "the loss is the plain cross-entropy (no z-loss term)",
+    ),
+    (
+        "model.init_method.scaling_method",
+        lambda c: c.model.init_method.scaling_method,
+        ("NUM_LAYERS", "NONE"),
+        "Nanotron implements only these two (LAYER_INDEX raises there too)",
+    ),
+]
+
+
 # Nanotron fields with one implemented behaviour: (key, getter, accepted values, why no other value
 # can take effect). Every accepted value is the Nanotron default.
-FIXED_FIELDS: list[tuple[str, Callable[[Config], Any], tuple[Any, ...], str]] = [
+FIXED_FIELDS: list[FixedField] = [
     (
         "general.step",
         lambda c: c.general.step,
@@ -208,37 +370,6 @@ FIXED_FIELDS: list[tuple[str, Callable[[Config], Any], tuple[Any, ...], str]] = 
         lambda c: c.general.consumed_train_samples,
         (None,),
         "the samples consumed follow from the step (the resumed checkpoint's)",
-    ),
-    (
-        "general.benchmark_csv_path",
-        lambda c: c.general.benchmark_csv_path,
-        (None,),
-        "no benchmark CSV is written; throughput is in <run_dir>/metrics.jsonl (tokens_per_s)",
-    ),
-    (
-        "general.ignore_sanity_checks",
-        lambda c: c.general.ignore_sanity_checks,
-        (True,),
-        "Nanotron's debug sanity checks are not implemented (the config is always validated)",
-    ),
-    (
-        "parallelism.tp_linear_async_communication",
-        lambda c: c.parallelism.tp_linear_async_communication,
-        (False,),
-        "asynchronous tensor-parallel linears are not implemented",
-    ),
-    (
-        "parallelism.recompute_layer",
-        lambda c: c.parallelism.recompute_layer,
-        (False,),
-        "activation recomputation is not implemented (all activations are kept)",
-    ),
-    (
-        "model.ddp_bucket_cap_mb",
-        lambda c: c.model.ddp_bucket_cap_mb,
-        (25,),
-        "plain mode all-reduces the gradients as one flat buffer; recover mode's bucket size is "
-        "recover.bucket_size_mb",
     ),
     (
         "model.model_config.is_llama_config",
@@ -277,34 +408,6 @@ FIXED_FIELDS: list[tuple[str, Callable[[Config], Any], tuple[Any, ...], str]] = 
         "gradients are always accumulated in an fp32 buffer (the recovery snapshots it)",
     ),
     (
-        "checkpoints.checkpoints_path_is_shared_file_system",
-        lambda c: c.checkpoints.checkpoints_path_is_shared_file_system,
-        (True,),
-        "every rank writes into one checkpoint folder that rank 0 creates and publishes",
-    ),
-    # Nanotron with false builds a fresh scheduler on resume, so the schedule starts over (warm-up
-    # again). Here the rate is a pure function of the step: there is no scheduler state to skip, and
-    # a resume always continues the schedule. Accepting false as a no-op would silently train with
-    # another schedule than Nanotron, so it is refused.
-    (
-        "checkpoints.load_lr_scheduler",
-        lambda c: c.checkpoints.load_lr_scheduler,
-        (True,),
-        "the learning rate is recomputed from the step, so a resume always continues the schedule",
-    ),
-    (
-        "logging.log_level",
-        lambda c: c.logging.log_level,
-        ("info",),
-        "console output has no levels",
-    ),
-    (
-        "logging.log_level_replica",
-        lambda c: c.logging.log_level_replica,
-        ("info",),
-        "console output has no levels",
-    ),
-    (
         "tokenizer.tokenizer_revision",
         lambda c: c.tokenizer.tokenizer_revision,
         (None,),
@@ -322,7 +425,141 @@ FIXED_FIELDS: list[tuple[str, Callable[[Config], Any], tuple[Any, ...], str]] = 
         (None,),
         "training does not watch for a stop file",
     ),
+    (
+        "parallelism.context_parallel_size",
+        lambda c: c.parallelism.context_parallel_size,
+        (1,),
+        "context parallelism is not implemented (every rank of a replica holds whole sequences)",
+    ),
+    (
+        "optimizer.weight_decay_exclude_named_params",
+        lambda c: c.optimizer.weight_decay_exclude_named_params,
+        (None, []),
+        "every parameter is decayed by optimizer.weight_decay",
+    ),
+    (
+        "metrics_logging.log_level",
+        lambda c: c.metrics_logging.log_level if c.metrics_logging is not None else 0,
+        (0,),
+        "detailed per-layer metrics are not logged (the basic ones are in <run_dir>/metrics.jsonl)",
+    ),
+    (
+        "lighteval",
+        lambda c: c.lighteval,
+        (None,),
+        "no LightEval evaluation runs during training (score a checkpoint with `nanotron-recover eval`)",
+    ),
+    (
+        "s3_upload",
+        lambda c: c.s3_upload,
+        (None,),
+        "checkpoints are not uploaded to S3 (copy checkpoints.checkpoints_path with your own tool)",
+    ),
 ]
+
+# A value no field takes: stands for a noted field that needs no note.
+_ABSENT = "<absent>"
+
+NotedField = tuple[str, Callable[[Config], Any], tuple[Any, ...], str]
+
+# Nanotron fields accepted at any value although only one behaviour is implemented, because they
+# change no math (how the work is executed or reported, not what is computed): (key, getter, values
+# that need no note, what runs instead). A value outside the third item gets the line
+# "note: <key> <value> <what runs>" in the dry-run plan and at training start (rank 0).
+NOTED_FIELDS: list[NotedField] = [
+    (
+        "parallelism.tp_mode",
+        # Sequence parallelism over one tensor-parallel rank is plain tensor parallelism.
+        lambda c: c.parallelism.tp_mode if c.parallelism.tp > 1 else "ALL_REDUCE",
+        ("ALL_REDUCE",),
+        "runs as ALL_REDUCE here: same math, no sequence-parallel activation saving",
+    ),
+    (
+        "parallelism.tp_linear_async_communication",
+        lambda c: c.parallelism.tp_linear_async_communication if c.parallelism.tp > 1 else False,
+        (False,),
+        "runs synchronously here: same math, tensor-parallel communication does not overlap compute",
+    ),
+    (
+        "parallelism.recompute_layer",
+        lambda c: c.parallelism.recompute_layer,
+        (False,),
+        "runs without recomputation here: same math, every layer's activations are kept (the memory "
+        "estimate counts them)",
+    ),
+    (
+        "parallelism.moe_layer_recompute",
+        lambda c: c.parallelism.moe_layer_recompute,
+        (False,),
+        "changes nothing here: a dense LLaMA has no MoE layers",
+    ),
+    (
+        "model.ddp_bucket_cap_mb",
+        lambda c: c.model.ddp_bucket_cap_mb,
+        (25,),
+        "changes nothing here: same math, plain mode all-reduces the gradients as one flat buffer and "
+        "recover mode's buckets are recover.bucket_size_mb",
+    ),
+    (
+        "model.model_config._attn_implementation",
+        lambda c: c.model.model_config._attn_implementation,
+        (None, "sdpa"),
+        "runs as torch scaled_dot_product_attention here: the same causal attention",
+    ),
+    (
+        "general.ignore_sanity_checks",
+        lambda c: c.general.ignore_sanity_checks,
+        (True,),
+        "runs no extra checks here: Nanotron's debug assertions that tensors agree across ranks are "
+        "not implemented (they change no math); the replicas' final parameter digests are written to "
+        "<run_dir>/parameters/",
+    ),
+    (
+        "checkpoints.checkpoints_path_is_shared_file_system",
+        lambda c: c.checkpoints.checkpoints_path_is_shared_file_system,
+        (True,),
+        "changes nothing (Nanotron main ignores it too): every rank writes into one checkpoint "
+        "folder, so a job across nodes needs checkpoints_path on a file system they all see",
+    ),
+    (
+        "checkpoints.load_lr_scheduler",
+        lambda c: c.checkpoints.load_lr_scheduler,
+        (True,),
+        "restarts the learning-rate schedule (warm-up again) at the step of the checkpoint named in "
+        "checkpoints.resume_checkpoint_path, as Nanotron's fresh scheduler does; resuming this run's "
+        "own checkpoints continues that schedule",
+    ),
+    (
+        "logging.log_level",
+        lambda c: c.logging.log_level,
+        ("info",),
+        "changes nothing here: console output has no levels",
+    ),
+    (
+        "logging.log_level_replica",
+        lambda c: c.logging.log_level_replica,
+        ("info",),
+        "changes nothing here: console output has no levels",
+    ),
+    (
+        "profiler.profiler_export_path",
+        # Noted only when a profiler section is given with a null path.
+        lambda c: None if c.profiler is not None and c.profiler.profiler_export_path is None else _ABSENT,
+        (_ABSENT,),
+        "writes no trace (as in Nanotron), so no profiler runs",
+    ),
+]
+
+
+def config_notes(cfg: Config) -> list[str]:
+    """The ``note:`` lines of a validated config: one per noted field at a value that runs
+    differently here (:data:`NOTED_FIELDS`), in table order."""
+    notes = []
+    for key, get, neutral, text in NOTED_FIELDS:
+        value = get(cfg)
+        if not any(value == n and type(value) is type(n) for n in neutral):
+            notes.append(f"note: {key} {_yaml(value)} {text}")
+    return notes
 
 
 def _yaml(value: Any) -> str:
@@ -335,7 +572,10 @@ def _yaml(value: Any) -> str:
 
 def _refuse(key: str, value: Any, supported: str, why: str) -> None:
     """Raise the one-line refusal of a value this engine does not implement."""
-    raise ConfigError(f"{key}={_yaml(value)} is not supported: {why}; set {supported}")
+    given = _yaml(value)
+    if len(given) > 80:  # a whole section (lighteval, s3_upload): its start says enough
+        given = given[:77] + "..."
+    raise ConfigError(f"{key}={given} is not supported: {why}; set {supported}")
 
 
 def _validate_model_sizes(cfg: Config) -> None:
@@ -429,6 +669,17 @@ def _validate_recover(cfg: Config, check_paths: bool = True) -> None:
             f"recover.heartbeat_period_s={r.heartbeat_period_s}: a rank silent for the timeout is declared "
             "failed, so a timeout of fewer than three periods declares healthy ranks failed"
         )
+    if r.policy == "adaptive_world":
+        if not r.forward:
+            raise ConfigError(
+                "recover.policy: adaptive_world changes how forward recovery repairs a step: it needs "
+                "recover.enabled: true and recover.mode: forward"
+            )
+        if r.spares == "zero":
+            raise ConfigError(
+                "recover.spares: zero cannot be used with recover.policy: adaptive_world, where every "
+                "replica computes its own micro-batches and none is a spare; set recover.spares: shadow or off"
+            )
     for i, f in enumerate(r.faults):
         _validate_fault(cfg, f, f"recover.faults[{i}]")
     rf = r.random_faults

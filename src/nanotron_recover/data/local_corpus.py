@@ -12,14 +12,20 @@ code in it -- the docstrings of its standard library -- so we use those:
   ``save_pretrained`` so ``AutoTokenizer.from_pretrained(folder)`` loads it offline.
   Special tokens come first: ``<s>`` (bos) is id 0 and ``</s>`` (eos) is id 1; ids 2..257
   are the 256 byte symbols, the rest are merges, for exactly ``vocab_size`` ids in total.
-  No bos/eos is added on encode; the corpus writer appends eos itself.
+  No bos/eos is added on encode; preprocessing appends eos to every document itself.
 * :func:`build_local_corpus` writes the texts as a JSON-lines file and runs the real
-  :func:`~nanotron_recover.data.preprocess.preprocess` on it (``dataset="json"``), so the
-  offline path exercises the same code as a C4 run.
+  :func:`~nanotron_recover.data.preprocess.tokenize_to_nanoset` on it (datatrove's reader and
+  ``DocumentTokenizer``), so the offline path exercises the same code as a C4 run and the
+  result is a Nanoset folder like any other. ``max_tokens`` keeps the longest run of whole
+  documents, from the first text on, whose tokens (one eos each) fit: the texts are cut before
+  tokenizing, so the corpus holds at most ``max_tokens`` tokens, and exactly the same ones on
+  every machine running the same Python.
 * :func:`ensure_local_dataset` caches both under a root folder, keyed by everything that
   changes the result. It builds into a private temporary folder and renames it into place,
   so concurrent callers never see a half-built dataset; the loser of a race simply uses
-  the winner's build.
+  the winner's build. The corpus's ``.ds.metadata`` names the tokenizer by its *final*
+  folder, not the temporary one it was built from, since training compares that name with
+  the config's ``tokenizer.tokenizer_name_or_path``.
 """
 
 from __future__ import annotations
@@ -36,8 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanotron_recover.data.corpus import CorpusIndex, TokenCorpus
-from nanotron_recover.data.preprocess import preprocess
+from nanotron_recover.data.preprocess import NanosetSummary, summarize_nanoset, tokenize_to_nanoset
+from nanotron_recover.errors import InputError
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -45,7 +51,7 @@ BOS_TOKEN_ID = 0
 EOS_TOKEN_ID = 1
 
 # Bump when anything below changes what gets built, so stale cached builds are not reused.
-_BUILD_VERSION = 1
+_BUILD_VERSION = 2  # 2: Nanoset folders written by datatrove
 
 # Pure-Python, side-effect-free modules with substantial documentation. Deliberately a fixed
 # list rather than sys.stdlib_module_names: some stdlib modules open windows or browsers on
@@ -185,31 +191,61 @@ def build_local_tokenizer(out_dir: Path, vocab_size: int = 512) -> Path:
     return out_dir
 
 
-def build_local_corpus(out_dir: Path, tokenizer_dir: Path, max_tokens: int | None = None) -> CorpusIndex:
-    """Tokenize the stdlib docstrings (one document each) into a corpus at ``out_dir``."""
+def build_local_corpus(
+    out_dir: Path,
+    tokenizer_dir: Path,
+    max_tokens: int | None = None,
+    *,
+    tokenizer_name: str | None = None,
+) -> NanosetSummary:
+    """Tokenize the stdlib docstrings (one document each) into a Nanoset folder at ``out_dir``.
+
+    ``max_tokens``: keep the first texts, whole, whose tokens plus one eos each fit (see the module
+    docstring). ``tokenizer_name`` is what the metadata records as the tokenizer (default: the
+    folder it was tokenized with, ``str(tokenizer_dir)``).
+    """
     texts = stdlib_docstring_texts()
+    if max_tokens is not None:
+        texts = _texts_within(texts, Path(tokenizer_dir), max_tokens)
     with tempfile.TemporaryDirectory(prefix="nanotron-local-corpus-") as tmp:
         jsonl = Path(tmp) / "stdlib_docstrings.jsonl"
         with open(jsonl, "w", encoding="utf-8") as f:
             for text in texts:
                 f.write(json.dumps({"text": text}) + "\n")
-        index = preprocess(
-            "json",
-            None,
-            data_files=[str(jsonl)],
-            tokenizer=str(tokenizer_dir),
-            out=Path(out_dir),
-            max_tokens=max_tokens,
-            progress=False,
-        )
-    # The JSON-lines file was temporary; record where the text really came from instead.
-    index.source = {
-        **(index.source or {}),
-        "data_files": None,
-        "local": f"stdlib docstrings, Python {sys.version.split()[0]}",
-    }
-    index.write(out_dir)
-    return index
+        # The logs only serve a rerun of this build, which never happens: they go with the JSON lines.
+        summary = tokenize_to_nanoset(jsonl, out_dir, str(tokenizer_dir), logging_dir=Path(tmp) / "logs")
+    if tokenizer_name is not None and tokenizer_name != summary.tokenizer:
+        _rename_tokenizer(summary, tokenizer_name)
+        summary = summarize_nanoset(out_dir)
+    return summary
+
+
+def _texts_within(texts: list[str], tokenizer_dir: Path, max_tokens: int) -> list[str]:
+    """The longest prefix of ``texts`` whose tokens, plus one eos per text, number at most ``max_tokens``."""
+    from tokenizers import Tokenizer
+
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    total = 0
+    for i, encoding in enumerate(tok.encode_batch(texts, add_special_tokens=False)):
+        total += len(encoding.ids) + 1
+        if total > max_tokens:
+            if i == 0:
+                raise ValueError(f"max_tokens {max_tokens} is less than the first document ({total} tokens)")
+            return texts[:i]
+    return texts
+
+
+def _rename_tokenizer(summary: NanosetSummary, name: str) -> None:
+    """Make every ``.ds.metadata`` of ``summary`` name the tokenizer ``name`` (its other lines unchanged)."""
+    for ds in summary.files:
+        path = Path(f"{ds}.metadata")
+        first, sep, rest = path.read_text(encoding="utf-8").partition("\n")
+        token_size = first.rsplit("|", 1)[1]
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(f"{name}|{token_size}{sep}{rest}", encoding="utf-8")
+        os.replace(tmp, path)
 
 
 @dataclass(frozen=True)
@@ -230,14 +266,14 @@ def _is_complete(dataset: LocalDataset) -> bool:
     if not (dataset.tokenizer_dir / "tokenizer_config.json").is_file():
         return False
     try:
-        TokenCorpus.open(dataset.corpus_dir)
-    except (OSError, ValueError):
+        summary = summarize_nanoset(dataset.corpus_dir)
+    except (InputError, OSError):
         return False
-    return True
+    return summary.tokenizer == str(dataset.tokenizer_dir) and summary.num_tokens > 0
 
 
 def ensure_local_dataset(root: Path, vocab_size: int = 512, max_tokens: int | None = 300_000) -> LocalDataset:
-    """Build (or reuse) the local tokenizer and corpus under ``root``; safe to call concurrently."""
+    """Build (or reuse) the local tokenizer and Nanoset corpus under ``root``; safe to call concurrently."""
     root = Path(root)
     # Docstrings can change between Python releases, so the exact version is part of the key.
     py = ".".join(str(v) for v in sys.version_info[:3])
@@ -252,11 +288,10 @@ def ensure_local_dataset(root: Path, vocab_size: int = 512, max_tokens: int | No
     try:
         built = _dataset_at(tmp)
         build_local_tokenizer(built.tokenizer_dir, vocab_size)
-        build_local_corpus(built.corpus_dir, built.tokenizer_dir, max_tokens)
-        # The index records the tokenizer it was built with; point it at the final location.
-        index = CorpusIndex.read(built.corpus_dir)
-        index.tokenizer = str(dataset.tokenizer_dir)
-        index.write(built.corpus_dir)
+        # The metadata names the tokenizer where it will be, not in this temporary folder.
+        build_local_corpus(
+            built.corpus_dir, built.tokenizer_dir, max_tokens, tokenizer_name=str(dataset.tokenizer_dir)
+        )
         if final.exists() and not _is_complete(dataset):
             _discard(final, root)  # a damaged earlier build: move it out of the way
         try:

@@ -3,18 +3,14 @@
 This is the data half of the project's determinism guarantee. The trainer never iterates a
 data loader; it asks "give me micro-batch ``m``" on whichever rank or replica happens to
 compute it (after a fault, a different replica may recompute someone else's micro-batch).
-The answer therefore depends only on ``(m, seed, corpus or vocab, micro_batch_size,
+The answer therefore depends only on ``(m, seed, data stage, micro_batch_size,
 sequence_length)`` -- never on call order, on which ids were asked before, on the process,
 or on any hidden RNG state -- and is bit-identical everywhere and every time.
 
-Corpus-backed sources lay micro-batches over an endless stream of *sample slots*: row ``j``
-of micro-batch ``m`` is slot ``k = m * micro_batch_size + j``. Slot ``k`` belongs to epoch
-``e = k // N`` (``N`` = samples in the corpus) at position ``k % N``, and reads sample
-``perm_e[k % N]`` where ``perm_e`` is a permutation of ``range(N)`` drawn from a generator
-seeded by ``(seed, e)``. Every sample is thus used exactly once per epoch, each epoch is
-shuffled differently, and any slot can be computed without computing the ones before it.
-Permutations are cached (a couple of epochs, since consecutive ids straddle at most one
-epoch boundary); the cache only saves time, it never changes an answer.
+Nanoset-backed sources (config ``dataset: {dataset_folder: ...}``, one folder or a weighted
+blend) lay micro-batches over an endless stream of sample slots; the rule, which makes every slot
+computable on its own, is in :mod:`nanotron_recover.data.nanoset`. Each data stage starts its
+slots at its own first micro-batch id.
 
 Synthetic sources (config ``dataset: null``) draw uniform tokens from a generator seeded by
 ``(seed, m)``, for benchmarks and tests that need no corpus.
@@ -25,21 +21,20 @@ platform-independent for a given numpy version (all ranks of a job share one env
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from nanotron_recover.data.corpus import TokenCorpus, validate_corpus
+from nanotron_recover.data.nanoset import NanosetMicroBatches, same_tokenizer, summarize_nanoset
 from nanotron_recover.errors import InputError
 
+if TYPE_CHECKING:
+    from nanotron_recover.config import NanosetDatasetsArgs
+
 # Mixed into the synthetic generator's seed so that a synthetic stream never coincides with
-# the permutation stream of a corpus source that uses the same user seed.
+# the permutation streams of a Nanoset source that uses the same user seed.
 _SYNTHETIC_DOMAIN = 0x5EED_5A17
-# Keep this many epoch permutations; two covers the id ranges that straddle an epoch boundary.
-_PERMUTATION_CACHE_EPOCHS = 2
 
 
 @runtime_checkable
@@ -80,53 +75,6 @@ def _check_id(microbatch_id: int) -> int:
     return int(microbatch_id)
 
 
-class CorpusMicroBatches:
-    """Micro-batches of shuffled corpus samples, epoch after epoch (see module docstring)."""
-
-    def __init__(self, corpus: TokenCorpus, micro_batch_size: int, sequence_length: int, seed: int) -> None:
-        _check_positive(micro_batch_size=micro_batch_size, sequence_length=sequence_length)
-        _check_seed(seed)
-        self.corpus = corpus
-        self.micro_batch_size = int(micro_batch_size)
-        self.sequence_length = int(sequence_length)
-        self.seed = int(seed)
-        self.num_samples = corpus.require_samples(self.sequence_length)
-        self._permutations: OrderedDict[int, np.ndarray] = OrderedDict()
-
-    def permutation(self, epoch: int) -> np.ndarray:
-        """The sample order of ``epoch`` (a permutation of ``range(num_samples)``), cached."""
-        perm = self._permutations.get(epoch)
-        if perm is None:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-            perm.flags.writeable = False  # callers share the cached array
-            self._permutations[epoch] = perm
-            while len(self._permutations) > _PERMUTATION_CACHE_EPOCHS:
-                self._permutations.popitem(last=False)
-        else:
-            self._permutations.move_to_end(epoch)
-        return perm
-
-    def sample_indices(self, microbatch_id: int) -> list[int]:
-        """Corpus sample index of each row of micro-batch ``microbatch_id``."""
-        m = _check_id(microbatch_id)
-        first = m * self.micro_batch_size
-        out = []
-        for k in range(first, first + self.micro_batch_size):
-            epoch, pos = divmod(k, self.num_samples)
-            out.append(int(self.permutation(epoch)[pos]))
-        return out
-
-    def get(self, microbatch_id: int) -> torch.Tensor:
-        rows = [self.corpus.sample(i, self.sequence_length) for i in self.sample_indices(microbatch_id)]
-        return torch.from_numpy(np.stack(rows))
-
-    def __repr__(self) -> str:
-        return (
-            f"CorpusMicroBatches({self.corpus!r}, micro_batch_size={self.micro_batch_size}, "
-            f"sequence_length={self.sequence_length}, seed={self.seed})"
-        )
-
-
 class SyntheticMicroBatches:
     """Uniform pseudo-random tokens in ``[0, vocab_size)``, keyed by ``(seed, microbatch_id)``."""
 
@@ -155,36 +103,62 @@ class SyntheticMicroBatches:
 
 
 def build_microbatch_source(
-    dataset_folder: str | Path | None,
+    dataset: NanosetDatasetsArgs | None,
     *,
     vocab_size: int,
     micro_batch_size: int,
     sequence_length: int,
     seed: int,
+    first_id: int = 0,
     tokenizer_name_or_path: str | None = None,
 ) -> MicroBatchSource:
-    """The source the config asks for: synthetic when ``dataset_folder`` is None, else the corpus there.
+    """The source a data stage asks for: synthetic when ``dataset`` is None, else its Nanoset.
 
-    Every check happens here, none at the first :meth:`~MicroBatchSource.get`, so a trainer that
-    builds its sources at start-up refuses bad data before training, identically on every rank.
-    Each failure is an :class:`~nanotron_recover.errors.InputError` whose message is one line
-    naming the file or the setting to change:
+    ``first_id`` is the stage's first micro-batch id, where its data starts. Every check happens
+    here, none at the first :meth:`~MicroBatchSource.get`, so a trainer that builds its sources at
+    start-up refuses bad data before training, identically on every rank. Each failure is an
+    :class:`~nanotron_recover.errors.InputError` whose message is one line naming the folder or
+    setting to change:
 
-    * the corpus folder or one of its files is missing (also a ``FileNotFoundError``), or the
-      index is unreadable, not JSON, misses keys, or is incomplete (:meth:`TokenCorpus.open`);
-    * ``tokens.bin`` is truncated: not a whole number of tokens, or not the index's token count;
-    * the corpus vocabulary exceeds ``vocab_size``, or, when ``tokenizer_name_or_path`` is given
-      (config ``validate_tokenizer: true``), the corpus was made with another tokenizer
-      (:func:`~nanotron_recover.data.corpus.validate_corpus`);
-    * the corpus is too small for one sample of ``sequence_length + 1`` tokens;
+    * a folder is missing, holds no ``*.ds`` files, or a file is truncated or lacks its index or
+      metadata (:func:`~nanotron_recover.data.nanoset.summarize_nanoset`);
+    * with ``tokenizer_name_or_path`` given (config ``validate_tokenizer: true``), a folder was
+      tokenized with another tokenizer; ``tokenizer_name``, ``token_size_in_bytes`` or
+      ``vocab_size`` of the config disagree with the folders;
+    * a folder is too small for one sample, or the weights do not match the folders;
     * ``micro_batch_size``, ``sequence_length`` or ``vocab_size`` is not a positive integer, or
       ``seed`` is negative.
     """
-    if dataset_folder is None:
-        return SyntheticMicroBatches(vocab_size, micro_batch_size, sequence_length, seed)
     _check_positive(vocab_size=vocab_size, micro_batch_size=micro_batch_size, sequence_length=sequence_length)
     _check_seed(seed)
-    corpus = TokenCorpus.open(dataset_folder)
-    validate_corpus(corpus, tokenizer_name_or_path=tokenizer_name_or_path, vocab_size=vocab_size)
-    # The constructor checks that the corpus holds at least one sample.
-    return CorpusMicroBatches(corpus, micro_batch_size, sequence_length, seed)
+    if dataset is None:
+        return SyntheticMicroBatches(vocab_size, micro_batch_size, sequence_length, seed)
+    folders = [summarize_nanoset(path) for path in dataset.read_paths()]
+    for folder in folders:
+        where = f"dataset folder {str(folder.folder)!r}"
+        if tokenizer_name_or_path is not None and not same_tokenizer(folder.tokenizer, tokenizer_name_or_path):
+            raise InputError(
+                f"{where} was tokenized with {folder.tokenizer!r}, not tokenizer.tokenizer_name_or_path "
+                f"{tokenizer_name_or_path!r}: tokenize it again with `nanotron-recover preprocess --tokenizer "
+                f"{tokenizer_name_or_path}`, or set validate_tokenizer: false on the dataset"
+            )
+        if dataset.tokenizer_name is not None and not same_tokenizer(folder.tokenizer, dataset.tokenizer_name):
+            raise InputError(f"{where} was tokenized with {folder.tokenizer!r}, not tokenizer_name {dataset.tokenizer_name!r}")
+        if dataset.token_size_in_bytes is not None and dataset.token_size_in_bytes != folder.token_size:
+            raise InputError(
+                f"{where} stores {folder.token_size}-byte tokens, not token_size_in_bytes "
+                f"{dataset.token_size_in_bytes}"
+            )
+    if dataset.vocab_size is not None and dataset.vocab_size > vocab_size:
+        raise InputError(
+            f"the dataset's vocab_size {dataset.vocab_size} exceeds model_config.vocab_size {vocab_size}"
+        )
+    return NanosetMicroBatches(
+        folders,
+        dataset.weights(),
+        micro_batch_size=micro_batch_size,
+        sequence_length=sequence_length,
+        seed=seed,
+        vocab_size=vocab_size,
+        first_id=first_id,
+    )

@@ -1,642 +1,622 @@
-"""Tokenize a text dataset into a :mod:`corpus <nanotron_recover.data.corpus>` folder.
+"""Tokenize text into a Nanoset folder with datatrove (``nanotron-recover preprocess``).
 
-``nanotron-recover preprocess`` runs this once, before training, so that the training loop
-only ever memory-maps token ids (no tokenizer, no dataset library, no network in the hot
-path). The dataset is *streamed* (``datasets.load_dataset(..., streaming=True)``), so C4-sized
-sources never have to fit on disk in text form. Rows are read in chunks of ``chunk_docs``,
-tokenized by ``workers`` processes (:mod:`~nanotron_recover.data.tokenization`) and appended,
-in source order, to a :class:`~nanotron_recover.data.corpus.CorpusWriter`. The output is a
-pure function of (source, tokenizer, ``max_tokens``): the number of workers, the chunk size
-and any interruptions change how fast it is made, never a byte of it.
+A Nanoset folder is what datatrove's ``DocumentTokenizer`` writes and what training reads
+(:mod:`.nanoset`). Each task of the run leaves three files:
 
-Choices worth knowing:
+* ``<task>_<part>_doc_shuffled.ds``: the token ids of its documents back to back, little-endian
+  uint16 (uint32 for vocabularies of more than 65,536 ids);
+* ``.ds.index``: where each document ends, in tokens, as little-endian uint64;
+* ``.ds.metadata``: ``tokenizer_name_or_path|token_size`` on the first line, then the token count.
 
-* Text is encoded with ``add_special_tokens=False``; the writer appends exactly one eos per
-  document, and no bos is inserted -- eos alone delimits documents.
-* Rows whose text is ``None`` or empty are skipped (they would only add bare eos tokens).
-* ``max_tokens`` is exact: the corpus holds ``min(max_tokens, tokens in the dataset)``
-  tokens, the last document being cut short (without its eos) to fill the budget. An exact
-  size makes corpus sizes, and hence sample counts, predictable from the command line.
-* The index records the source (dataset, config, split, files, column), the tokenizer
-  (name, content fingerprint, ``len``, eos id) and a ``resume`` record.
+Preprocessing runs once, before training, so that the training loop only memory-maps token ids
+(no tokenizer, no dataset library, no network in the hot path).
 
-Resuming. Every ``commit_tokens`` tokens (or ``_COMMIT_SECONDS``) the writer commits:
-``tokens.bin`` is fsynced, then the index is atomically replaced with the token and document
-counts and a ``resume`` record: ``rows_read``, the number of source rows whose documents those
-tokens are, and ``stream``, the dataset's own ``state_dict()`` at a row at or before that
-(see :class:`_Stream`). Re-running the same command on the folder then
+The pipeline is datatrove's end to end: a reader (``JsonlReader`` over JSON-lines files, or
+``HuggingFaceDatasetReader``), then ``DocumentTokenizer``, run by ``LocalPipelineExecutor``
+(``--workers`` processes on this machine) or ``SlurmPipelineExecutor`` (one Slurm job array). What
+this module adds around it:
 
-* continues an unfinished corpus: ``tokens.bin`` is truncated to the committed count, and the
-  stream restarts at ``rows_read`` -- from the saved dataset position when it is usable (same
-  ``datasets`` version and ``chunk_docs``), else by re-reading and counting off the rows
-  before it. No committed row is tokenized again, no document is lost or duplicated, and the
-  result is byte-identical to an uninterrupted run;
-* leaves a complete corpus alone -- unless it stopped at a smaller ``max_tokens`` than now
-  asked for, in which case it is *extended* (its cut-short last document is dropped and
-  re-read whole, ``resume.partial_tokens`` says how long it was);
-* refuses (:class:`~nanotron_recover.errors.InputError`) a folder made from another source or
-  tokenizer, or holding more tokens than ``max_tokens``. A folder where nothing was committed
-  yet is simply started over.
+* The tokenizer is loaded with ``transformers`` (:func:`.tokenization.load_tokenizer`), so a local
+  folder, a hub id, or a tokenizer shipped without ``tokenizer.json`` all work (datatrove's own
+  loader takes a hub id or a ``tokenizer.json`` file only). Its ``tokenizers`` backend is what
+  datatrove encodes with, changed in two ways: truncation and padding are off (a saved
+  ``tokenizer.json`` may have them on, which would silently cut documents), and the post-processor
+  appends the eos token -- the tokenizer's own unless ``eos_token`` says otherwise -- and nothing
+  else (no bos). One eos per document keeps documents apart once they are packed into samples.
+  The metadata names the tokenizer exactly as it was given: training compares that name with the
+  config's ``tokenizer.tokenizer_name_or_path``.
+* Inputs are explicit: JSON-lines files, and folders of them (``*.jsonl`` / ``*.json``, optionally
+  compressed; hidden entries skipped), are listed once, in the order given and sorted within a
+  folder. Task ``r`` of ``T`` reads files ``r, r + T, ...`` -- a task reads whole files, so
+  ``tasks`` may not exceed the number of files. Rows without text are skipped.
+* Documents are shuffled inside each output file with a fixed seed, so the output is a pure function
+  of (inputs, tokenizer, eos token, seed, tasks): the number of workers and the executor change how
+  fast it is made, never a byte of it.
+* Resuming is datatrove's: each finished task leaves a mark in the logging dir (default
+  ``<out>/.datatrove``, a hidden folder that readers of ``*.ds`` never see) and a rerun with the same
+  logging dir skips those tasks, redoing only the unfinished ones. Beside the marks the run keeps a
+  record of its arguments (``preprocess.json``: inputs, tokenizer and its content fingerprint, eos,
+  seed, tasks, ...). A rerun with other arguments is refused, and so is an ``out`` that holds another
+  tokenizer's data or ``.ds`` files this logging dir did not make: a folder never silently mixes two
+  corpora.
+* A task whose share of the input has no text leaves no (empty) files behind.
 
-A directory lock (``flock``) keeps two runs from writing the same folder.
-
-``datasets`` and ``transformers`` are imported lazily so that importing the data package
-(which the trainer does) stays cheap.
+Bad input is an :class:`~nanotron_recover.errors.InputError` with a one-line message. datatrove,
+``transformers`` and ``datasets`` are imported inside the functions that use them, so importing the
+data package (which every training rank does) stays cheap.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
+import shlex
 import sys
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from nanotron_recover.data.corpus import INDEX_FILE, CorpusIndex, CorpusWriter
-from nanotron_recover.data.tokenization import (
-    Encoded,
-    default_workers,
-    encode_chunks,
-    load_tokenizer,
-    make_encoder,
-    tokenizer_fingerprint,
-)
+from nanotron_recover.data.nanoset import NanosetSummary, read_metadata, summarize_nanoset
+from nanotron_recover.data.tokenization import default_workers, load_tokenizer, tokenizer_fingerprint
 from nanotron_recover.errors import InputError
 
-# Rows per tokenization task. A C4 document is ~2 KB of text / ~500 tokens, so a chunk is
-# ~1 MB of text: large enough that shipping it to a worker costs little next to encoding it,
-# small enough that 2 x workers chunks in flight stay well within memory on a 100-core node.
-DEFAULT_CHUNK_DOCS = 512
-# Commit (fsync + index) once this many tokens are uncommitted: ~8 MB of uint16 ids, a few
-# seconds of work at most, so a crash loses little and fsyncs stay rare.
-DEFAULT_COMMIT_TOKENS = 1 << 22
-# ...or this long after the last commit, for slow (network-bound) streams.
-_COMMIT_SECONDS = 30.0
-# The source fields that must match to resume a folder.
-_SOURCE_KEYS = ("dataset", "name", "data_files", "split", "text_column")
+DEFAULT_LOGGING_DIR = ".datatrove"  # inside --out
+RECORD_FILE = "preprocess.json"  # in the logging dir: the arguments of the run
+INPUT_LIST_FILE = "input_files.txt"  # in the logging dir: the JSON-lines files, one per line
+DEFAULT_JOB_NAME = "nanotron-recover-preprocess"
+# Bump when the record's meaning changes, so an old logging dir is not resumed by different code.
+_RECORD_VERSION = 1
+# JSON-lines file names picked up from a folder: .jsonl / .json, optionally compressed.
+_JSONL_NAME = re.compile(r"\.jsonl?(\.(gz|bz2|xz|zst|zstd|lz4))?$", re.IGNORECASE)
 
 
+# -- the output: a Nanoset folder, checked by data.nanoset ----------------------------------------
+def _drop_empty_output(data: Any, rank: int, world_size: int, *, folder: str) -> None:
+    """Last pipeline step: remove this task's files if it tokenized nothing.
+
+    ``DocumentTokenizer`` leaves an empty ``<rank>_unshuffled.ds`` (and its index and metadata) when
+    its share of the input has no text; a zero-length file is not something to memory-map.
+    """
+    for ds in Path(folder).glob(f"{rank:05d}_*.ds"):
+        if ds.stat().st_size == 0:
+            for path in (ds, Path(f"{ds}.index"), Path(f"{ds}.metadata")):
+                path.unlink(missing_ok=True)
+
+
+# -- the run ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class PreprocessResult:
-    """What one :func:`preprocess` call did: ``status`` is new, resumed, extended or complete (nothing to do)."""
+class _Plan:
+    """A checked run: the pipeline, where it writes and logs, and how many tasks were done before."""
 
-    index: CorpusIndex
-    status: str
-    start_row: int
-    tokens_written: int
-    seconds: float
-    workers: int
-
-
-def preprocess(dataset: str = "allenai/c4", name: str | None = "en", **kwargs: Any) -> CorpusIndex:
-    """:func:`preprocess_run` returning only the finished corpus's index (same arguments)."""
-    return preprocess_run(dataset, name, **kwargs).index
+    pipeline: list[Any]
+    out: Path
+    logging_dir: Path
+    tasks: int
+    completed_before: int
+    text_key: str
 
 
-def preprocess_run(
-    dataset: str = "allenai/c4",
-    name: str | None = "en",
-    *,
-    data_files: list[str] | None = None,
-    split: str = "train",
-    text_column: str = "text",
+def tokenize_to_nanoset(
+    inputs: Sequence[str | Path] | str | Path,
+    out: str | Path,
     tokenizer: str,
-    out: Path,
-    max_tokens: int | None = None,
-    progress: bool = True,
-    workers: int | None = None,
-    chunk_docs: int = DEFAULT_CHUNK_DOCS,
-    commit_tokens: int | None = None,
-    log: Callable[[str], None] | None = None,
-) -> PreprocessResult:
-    """Stream ``dataset`` (config ``name``, ``split``), tokenize ``text_column`` into a corpus at ``out``.
+    *,
+    tasks: int = 1,
+    workers: int = 1,
+    text_key: str = "text",
+    eos_token: str | None = None,
+    seed: int = 0,
+    logging_dir: str | Path | None = None,
+) -> NanosetSummary:
+    """Tokenize JSON-lines files (or folders of them) into a Nanoset folder at ``out``, on this machine.
 
-    For local files pass e.g. ``dataset="json", name=None, data_files=[...]``. ``workers``
-    tokenizing processes (default: the usable cores; 0 = in this process) handle ``chunk_docs``
-    rows at a time, and progress is committed every ``commit_tokens`` tokens (default
-    ``DEFAULT_COMMIT_TOKENS``). An unfinished corpus at ``out`` is resumed (see the module
-    docstring); ``log`` receives a line when that happens or when there is nothing to do.
-    Workers are *spawned* processes, so a script calling this with ``workers >= 1`` needs the
-    usual ``if __name__ == "__main__":`` guard. Returns the index and what this run did (status,
-    rows, tokens, seconds).
+    ``tasks`` output files are made (at most one per input file), ``workers`` of them at a time;
+    ``eos_token`` (default: the tokenizer's own) ends every document; ``seed`` fixes the document
+    order inside each file. ``logging_dir`` (default ``<out>/.datatrove``) holds datatrove's logs
+    and completion marks: calling again with the same one skips the tasks already done. See the
+    module docstring for what is checked. Returns the summary of the whole folder.
+
+    With ``workers > 1`` the tasks run in datatrove's ``forkserver`` worker processes, which
+    re-import the calling script: a script calling this needs the ``if __name__ == "__main__":``
+    guard (without it the run hangs in multiprocessing's bootstrap error).
     """
-    if max_tokens is not None and max_tokens < 1:
-        raise InputError(f"max_tokens must be >= 1 (or None for the whole dataset), got {max_tokens}")
-    if chunk_docs < 1:
-        raise InputError(f"chunk_docs must be >= 1, got {chunk_docs}")
-    commit_tokens = DEFAULT_COMMIT_TOKENS if commit_tokens is None else commit_tokens
-    if commit_tokens < 1:
-        raise InputError(f"commit_tokens must be >= 1, got {commit_tokens}")
-    workers = default_workers() if workers is None else workers
-    if workers < 0:
-        raise InputError(f"workers must be >= 0 (0 = tokenize in this process), got {workers}")
-    note = log or (lambda _line: None)
+    if workers < 1:
+        raise InputError(f"workers must be >= 1, got {workers}")
+    if isinstance(inputs, (str, Path)):
+        inputs = [inputs]
+    source = {"jsonl": [str(f) for f in _jsonl_files(inputs)]}
+    plan = _plan(
+        source,
+        out,
+        str(tokenizer),
+        tasks=tasks,
+        text_key=text_key,
+        eos_token=eos_token,
+        seed=seed,
+        limit=None,
+        logging_dir=logging_dir,
+    )
+    return _run_local(plan, workers)
 
-    tokenizer = str(tokenizer)  # a Path is fine too; the index records a string
-    if data_files is not None:
-        data_files = [str(f) for f in data_files]
-    out = Path(out)
-    try:
-        tok = load_tokenizer(tokenizer)
-    except OSError as e:
-        raise InputError(f"cannot load tokenizer {tokenizer!r}: {str(e).splitlines()[0]}") from None
-    eos = tok.eos_token_id
-    if eos is None:
-        raise InputError(
-            f"tokenizer {tokenizer} has no eos token, which the corpus needs to separate documents"
-        )
-    vocab_size = len(tok)
-    fingerprint = tokenizer_fingerprint(tok)
-    source: dict[str, Any] = {
-        "dataset": dataset,
-        "name": name,
-        "data_files": data_files,
-        "split": split,
-        "text_column": text_column,
-    }
 
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} is a file, not a corpus folder")
-    out.mkdir(parents=True, exist_ok=True)
-    with _exclusive(out):
-        status, committed = _plan(out, source, tokenizer, fingerprint, vocab_size, eos, max_tokens)
-        if status == "complete":
-            assert committed is not None
-            note(
-                f"preprocess: {out} is already complete ({committed.num_tokens:,} tokens from "
-                f"{committed.num_documents:,} documents); nothing to do"
-            )
-            return PreprocessResult(committed, status, _rows_read(committed), 0, 0.0, 0)
-        start_row = _rows_read(committed)
-        stream = _Stream(
-            dataset,
-            name,
-            data_files=data_files,
-            split=split,
-            text_column=text_column,
-            chunk_docs=chunk_docs,
-            start_row=start_row,
-            saved=(committed.resume or {}).get("stream") if committed is not None else None,
-        )
-        if committed is None:
-            writer = CorpusWriter(
-                out,
-                vocab_size,
-                tokenizer,
-                eos,
-                source=source,
-                resume=_resume_record(0, max_tokens),
-                tokenizer_fingerprint=fingerprint,
-            )
+def _jsonl_files(inputs: Sequence[str | Path]) -> list[Path]:
+    """The JSON-lines files of ``inputs`` (files as given, folders searched), absolute, no duplicates."""
+    if not inputs:
+        raise InputError("no input files given")
+    files: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_file():
+            found = [path]
+        elif path.is_dir():
+            found = _jsonl_in(path)
+            if not found:
+                raise InputError(
+                    f"input folder {str(path)!r} holds no JSON-lines files (*.jsonl, *.json[.gz])"
+                )
         else:
-            writer = CorpusWriter.reopen(out, committed)
-            how = (
-                f"from the dataset's saved position at row {stream.saved['rows']:,}"
-                if stream.saved is not None
-                else "re-reading the rows before it"
-            )
-            note(
-                f"preprocess: {'extending' if status == 'extended' else 'resuming'} {out} at source row "
-                f"{start_row:,} ({how}); {committed.num_tokens:,} tokens and "
-                f"{committed.num_documents:,} documents were already written"
-            )
-        start_tokens = writer.num_tokens
-        began = time.perf_counter()
-        with writer:
-            _fill(
-                writer,
-                stream,
-                make_encoder(tok),
-                workers=workers,
-                start_row=start_row,
-                max_tokens=max_tokens,
-                commit_tokens=commit_tokens,
-                progress=progress,
-            )
-        seconds = time.perf_counter() - began
-        index = writer.close()
-    return PreprocessResult(index, status, start_row, index.num_tokens - start_tokens, seconds, workers)
+            raise InputError(f"input {str(path)!r} does not exist")
+        files += [f.resolve() for f in found]
+    unique = list(dict.fromkeys(files))
+    for f in unique:
+        if "\n" in str(f):
+            raise InputError(f"input file name {str(f)!r} contains a newline")
+    return unique
 
 
-def _fill(
-    writer: CorpusWriter,
-    stream: _Stream,
-    encoder: Callable[[list[str]], Encoded],
-    *,
-    workers: int,
-    start_row: int,
-    max_tokens: int | None,
-    commit_tokens: int,
-    progress: bool,
-) -> None:
-    """Encode ``stream``'s chunks and append them to ``writer`` in order, committing as it goes; sets the final resume record."""
-    from tqdm import tqdm
-
-    rows = start_row
-    partial = 0
-    full = max_tokens is not None and writer.num_tokens >= max_tokens
-    end_of_data = False
-    # The stream position after the last chunk written whole (None: count rows from the start).
-    position = stream.saved
-    committed_tokens, last_commit = writer.num_tokens, time.monotonic()
-    bar = tqdm(
-        total=max_tokens,
-        initial=writer.num_tokens,
-        unit="tok",
-        unit_scale=True,
-        desc="preprocess",
-        disable=not progress or not sys.stderr.isatty(),
-    )
-    with bar:
-        if not full:
-            results = encode_chunks(encoder, stream.chunks(), workers)
-            try:
-                for encoded in results:
-                    # Chunks are encoded in order, so positions pair up with results in order.
-                    chunk_end = stream.positions.popleft()
-                    before = writer.num_tokens
-                    used, partial, full = _write_chunk(writer, encoded, max_tokens)
-                    rows += used
-                    bar.update(writer.num_tokens - before)
-                    if full:
-                        break
-                    position = chunk_end
-                    pending = writer.num_tokens - committed_tokens
-                    if pending >= commit_tokens or time.monotonic() - last_commit >= _COMMIT_SECONDS:
-                        writer.commit(_resume_record(rows, max_tokens, stream=position))
-                        committed_tokens, last_commit = writer.num_tokens, time.monotonic()
-                else:
-                    end_of_data = True
-            finally:
-                results.close()  # stops the worker pool when the budget ends the run early
-    writer.set_resume(
-        _resume_record(rows, max_tokens, partial_tokens=partial, end_of_data=end_of_data, stream=position)
-    )
-
-
-def _write_chunk(writer: CorpusWriter, encoded: Encoded, max_tokens: int | None) -> tuple[int, int, bool]:
-    """Append one encoded chunk, honouring the budget; return (rows used, tokens of a cut-short last document, budget full)."""
-    lengths = encoded.lengths
-    nonempty = lengths > 0
-    sizes = np.where(nonempty, lengths + 1, 0)  # tokens each row adds, eos included
-    remaining = None if max_tokens is None else max_tokens - writer.num_tokens
-    if remaining is None or int(sizes.sum()) < remaining:
-        writer.add_documents(encoded.ids, lengths[nonempty])
-        return lengths.size, 0, False
-    # The budget ends inside this chunk, at row i: the first whose document reaches it.
-    cum = np.cumsum(sizes)
-    i = int(np.searchsorted(cum, remaining, side="left"))
-    head_ids = int(lengths[:i].sum())
-    writer.add_documents(encoded.ids[:head_ids], lengths[:i][nonempty[:i]])
-    taken = remaining - (int(cum[i - 1]) if i else 0)
-    doc = encoded.ids[head_ids : head_ids + int(lengths[i])]
-    if taken == doc.size + 1:
-        writer.add_document(doc)  # fits exactly, eos included
-        return i + 1, 0, True
-    writer.add_document(doc[:taken], add_eos=False)  # cut short to fill the budget exactly
-    return i + 1, taken, True
-
-
-def _resume_record(
-    rows_read: int,
-    max_tokens: int | None,
-    *,
-    partial_tokens: int = 0,
-    end_of_data: bool = False,
-    stream: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The index's ``resume``: rows whose documents are written, how the run ended, and a stream position.
-
-    ``stream`` (see :class:`_Stream`) is a saved dataset position at or before ``rows_read``.
-    """
-    return {
-        "rows_read": rows_read,
-        "max_tokens": max_tokens,
-        "partial_tokens": partial_tokens,
-        "end_of_data": end_of_data,
-        "stream": stream,
-    }
-
-
-def _rows_read(index: CorpusIndex | None) -> int:
-    return 0 if index is None else int((index.resume or {}).get("rows_read", 0))
+def _jsonl_in(folder: Path) -> list[Path]:
+    """The JSON-lines files under ``folder``, sorted; hidden files and folders (logs, .git) skipped."""
+    found = []
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # os.walk descends into what is left
+        found += [Path(root, n) for n in names if _JSONL_NAME.search(n) and not n.startswith(".")]
+    return sorted(found)
 
 
 def _plan(
-    out: Path,
     source: dict[str, Any],
+    out: str | Path,
     tokenizer: str,
-    fingerprint: str,
-    vocab_size: int,
-    eos: int,
-    max_tokens: int | None,
-) -> tuple[str, CorpusIndex | None]:
-    """How to start on ``out``: ("new", None), ("resumed" | "extended", index to continue from) or ("complete", index)."""
-    if not (out / INDEX_FILE).is_file():
-        return "new", None
-    try:
-        index = CorpusIndex.read(out)
-    except (ValueError, TypeError, OSError) as e:
+    *,
+    tasks: int,
+    text_key: str,
+    eos_token: str | None,
+    seed: int,
+    limit: int | None,
+    logging_dir: str | Path | None,
+) -> _Plan:
+    """Check everything that can be checked before tokenizing, record the run, build the pipeline."""
+    if tasks < 1:
+        raise InputError(f"--tasks must be >= 1, got {tasks}")
+    if limit is not None and limit < 1:
+        raise InputError(f"--limit must be >= 1, got {limit}")
+    if "jsonl" in source and tasks > len(source["jsonl"]):
+        n = len(source["jsonl"])
         raise InputError(
-            f"--out {out} holds an unreadable corpus index ({e}): delete the folder or choose another --out"
-        ) from None
-    if not index.complete and index.num_tokens == 0 and _rows_read(index) == 0:
-        return "new", None  # nothing was committed, so nothing is lost by starting over
-    differences = _differences(index, source, tokenizer, fingerprint, vocab_size, eos)
-    if differences:
-        raise InputError(
-            f"--out {out} holds a corpus made differently ({'; '.join(differences)}): pass the same "
-            f"arguments to resume it, or choose another --out"
+            f"--tasks {tasks} but {n} input file(s): a task reads whole files, so use --tasks {n} or fewer "
+            f"(or split the input into more files)"
         )
-    if index.resume is None or "rows_read" not in index.resume:
-        raise InputError(f"--out {out} has no resume record, so it cannot be continued: choose another --out")
-    if max_tokens is not None and index.num_tokens > max_tokens:
-        raise InputError(
-            f"--out {out} already holds {index.num_tokens:,} tokens, more than --max-tokens {max_tokens:,}: "
-            f"raise --max-tokens or choose another --out"
-        )
-    if not index.complete:
-        return "resumed", index
-    if index.resume.get("end_of_data") or index.num_tokens == max_tokens:
-        return "complete", index
-    if "partial_tokens" not in index.resume:
-        return "complete", index  # written before extending was possible: how it ended is unknown
-    # Complete at an earlier, smaller budget: continue from before its cut-short last document.
-    partial = int(index.resume.get("partial_tokens", 0))
-    index.num_tokens -= partial
-    if partial:
-        index.num_documents -= 1
-    index.resume = _resume_record(
-        _rows_read(index) - (1 if partial else 0), max_tokens, stream=index.resume.get("stream")
+    out = Path(out).absolute()
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {str(out)!r} is a file, not a folder")
+    logs = Path(logging_dir).absolute() if logging_dir is not None else out / DEFAULT_LOGGING_DIR
+    prepared, eos, fingerprint = _prepared_tokenizer(tokenizer, eos_token)
+    record = {
+        "version": _RECORD_VERSION,
+        "out": str(out),
+        "source": source,
+        "text_key": text_key,
+        "limit": limit,
+        "tokenizer": tokenizer,
+        "tokenizer_fingerprint": fingerprint,
+        "eos_token": eos,
+        "seed": seed,
+        "tasks": tasks,
+    }
+    _check_out(out, logs, tokenizer, record)
+
+    from datatrove.pipeline.tokens import DocumentTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    _write_atomic(logs / RECORD_FILE, json.dumps(record, indent=2, sort_keys=True) + "\n")
+    reader = _reader(source, text_key, limit, logs)
+    writer = DocumentTokenizer(
+        output_folder=str(out),
+        tokenizer_name_or_path=tokenizer,  # what the metadata records
+        eos_token=eos,
+        seed=seed,
     )
-    index.complete = False
-    return "extended", index
+    # The step encodes with the prepared backend instead of loading `tokenizer` itself (which
+    # datatrove cannot do for a local folder). `tokenizer` is a functools.cached_property, which
+    # takes an assigned value by design; it travels to the workers (and Slurm jobs) pickled.
+    writer.tokenizer = prepared
+    completed = len(list((logs / "completions").glob("[0-9]*"))) if (logs / "completions").is_dir() else 0
+    pipeline = [reader, writer, functools.partial(_drop_empty_output, folder=str(out))]
+    return _Plan(pipeline, out, logs, tasks, min(completed, tasks), text_key)
 
 
-def _differences(
-    index: CorpusIndex, source: dict[str, Any], tokenizer: str, fingerprint: str, vocab_size: int, eos: int
-) -> list[str]:
-    """What differs between the folder's corpus and this run, as ``field: 'there' vs 'given'`` items."""
-    if index.source is None:
-        return ["it records no source"]
-    out = [
-        f"{key}: {index.source.get(key)!r} in the folder vs {source[key]!r} given"
-        for key in _SOURCE_KEYS
-        if index.source.get(key) != source[key]
-    ]
-    if index.tokenizer_fingerprint is not None:
-        same_tokenizer = index.tokenizer_fingerprint == fingerprint
-    else:  # written before fingerprints: the best we can do is name, size and eos
-        same_tokenizer = (index.tokenizer, index.vocab_size, index.eos_token_id) == (
-            tokenizer,
-            vocab_size,
-            eos,
-        )
-    if not same_tokenizer:
-        out.append(
-            f"tokenizer: {index.tokenizer!r} in the folder vs {tokenizer!r} given, a different vocabulary"
-        )
-    return out
-
-
-@contextmanager
-def _exclusive(folder: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``folder`` (where the platform has one)."""
+def _prepared_tokenizer(name: str, eos_token: str | None) -> tuple[Any, str, str]:
+    """(the ``tokenizers.Tokenizer`` datatrove encodes with, the eos token, the content fingerprint)."""
     try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock, as before
-        yield
-        return
-    fd = os.open(folder, os.O_RDONLY)
+        tok = load_tokenizer(name)
+    except (OSError, ValueError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"tokenizer {name!r} not found or not loadable: {reason}") from None
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        raise InputError(
+            f"tokenizer {name!r} has no fast (`tokenizers`) version, which datatrove encodes with"
+        )
+    eos = eos_token if eos_token is not None else tok.eos_token
+    if not eos:
+        raise InputError(f"tokenizer {name!r} has no eos token to end documents with: pass --eos-token")
+    eos_id = backend.token_to_id(eos)
+    if eos_id is None:
+        raise InputError(f"eos token {eos!r} is not a token of tokenizer {name!r}")
+
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    prepared = Tokenizer.from_str(backend.to_str())  # a copy: the transformers tokenizer stays as it was
+    prepared.no_truncation()
+    prepared.no_padding()
+    prepared.post_processor = TemplateProcessing(single="$A <EOS>", special_tokens=[("<EOS>", eos_id)])
+    return prepared, eos, tokenizer_fingerprint(tok)
+
+
+def _check_out(out: Path, logs: Path, tokenizer: str, record: dict[str, Any]) -> None:
+    """Refuse an ``out`` holding another tokenizer's data or files this logging dir did not make,
+    and a rerun with other arguments than the record in the logging dir."""
+    existing = sorted(out.glob("*.ds")) if out.is_dir() else []
+    names = set()
+    for ds in existing:
+        try:
+            names.add(read_metadata(ds)[0])
+        except InputError:
+            pass  # an unfinished task's file; the task writes it again
+    others = sorted(names - {tokenizer})
+    if others:
+        raise InputError(
+            f"--out {str(out)!r} already holds data tokenized with {others[0]!r}, not {tokenizer!r}: "
+            "choose another --out"
+        )
+    previous = _read_record(logs)
+    if previous is not None and previous != json.loads(json.dumps(record)):
+        changed = [k for k in sorted(set(record) | set(previous)) if previous.get(k) != record.get(k)]
+        detail = "; ".join(
+            f"{k}: {_short(previous.get(k))} there vs {_short(record.get(k))} now" for k in changed
+        )
+        raise InputError(
+            f"logging dir {str(logs)!r} belongs to a run with other arguments ({detail}): rerun with the "
+            "same arguments to resume it, or choose another --out (or --logging-dir)"
+        )
+    if previous is None and existing:
+        raise InputError(
+            f"--out {str(out)!r} already holds {len(existing)} .ds file(s) that logging dir {str(logs)!r} "
+            "did not make, so they cannot be resumed: choose another --out, or delete them"
+        )
+
+
+def _short(value: Any, width: int = 80) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _read_record(logs: Path) -> dict[str, Any] | None:
+    path = logs / RECORD_FILE
+    if not path.is_file():
+        return None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise InputError(
-                f"another `nanotron-recover preprocess` is writing to {folder}: wait for it or choose another --out"
-            ) from None
-        yield
-    finally:
-        os.close(fd)  # releases the lock
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise InputError(f"{str(path)!r} is unreadable: delete the logging dir to start over") from None
+    if not isinstance(record, dict):
+        raise InputError(f"{str(path)!r} is not a preprocess record: delete the logging dir to start over")
+    return record
 
 
-class _Stream:
-    """The source's ``text_column``, chunk by chunk, starting at a given row.
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
-    After each chunk it records where the dataset stands (``positions``: rows read so far and
-    the dataset's ``state_dict()``, in the order chunks are handed out), so that the resume
-    record can point the next run straight at that place instead of re-reading every row
-    before it -- on C4 that is the difference between an instant resume and re-downloading
-    hundreds of GB. A saved state is only trusted with the same ``datasets`` version and chunk
-    size (the state depends on the batch size it was taken with); otherwise, and for any rows
-    past the state, the stream is read from the start and rows are counted off.
-    """
 
-    def __init__(
-        self,
-        dataset: str,
-        name: str | None,
-        *,
-        data_files: list[str] | None,
-        split: str,
-        text_column: str,
-        chunk_docs: int,
-        start_row: int = 0,
-        saved: dict[str, Any] | None = None,
-    ) -> None:
-        import datasets
+def _reader(source: dict[str, Any], text_key: str, limit: int | None, logs: Path) -> Any:
+    """datatrove's reader for ``source``: JSON-lines files, or a Hugging Face dataset."""
+    if "jsonl" in source:
+        from datatrove.pipeline.readers import JsonlReader
 
-        self.dataset, self.name, self.data_files, self.split = dataset, name, data_files, split
-        self.text_column = text_column
-        self.chunk_docs = chunk_docs
-        self.start_row = start_row
-        self.version = datasets.__version__
-        # Start from the saved position (then count off the rows between it and start_row)?
-        self.saved = saved if self._usable(saved) else None
-        self.positions: deque[dict[str, Any] | None] = deque()
-
-    def chunks(self) -> Iterator[list[str]]:
-        """Texts of rows ``start_row, start_row + 1, ...`` in lists of at most ``chunk_docs``."""
-        import datasets
-
-        stream = datasets.load_dataset(
-            self.dataset, self.name, data_files=self.data_files, split=self.split, streaming=True
+        files = [Path(f) for f in source["jsonl"]]
+        root = Path(os.path.commonpath([str(f.parent) for f in files]))
+        # One list of files, paths relative to their common folder: every task shards the same list.
+        _write_atomic(logs / INPUT_LIST_FILE, "".join(f"{f.relative_to(root)}\n" for f in files))
+        return JsonlReader(
+            str(root), paths_file=str(logs / INPUT_LIST_FILE), text_key=text_key, limit=limit or -1
         )
-        rows = 0
-        if self.saved is not None:
-            stream.load_state_dict(self.saved["state"])
-            rows = int(self.saved["rows"])
-        skip = self.start_row - rows
-        # Column batches, not row dicts: several times faster to read, and already chunk-shaped.
-        for batch in stream.iter(batch_size=self.chunk_docs):
-            if self.text_column not in batch:
-                raise InputError(
-                    f"dataset {self.dataset} has no column {self.text_column!r} "
-                    f"(columns: {', '.join(sorted(batch))}); pass --text-column"
-                )
-            texts = batch[self.text_column]
-            rows += len(texts)
-            if skip:
-                dropped = min(skip, len(texts))
-                texts, skip = texts[dropped:], skip - dropped
-                if not texts:
-                    continue
-            self.positions.append(self._position(stream, rows))
-            # None/empty become "" so the row still counts as read; empty encodings are skipped.
-            yield [t if isinstance(t, str) else ("" if t is None else str(t)) for t in texts]
+    from datatrove.pipeline.readers import HuggingFaceDatasetReader
 
-    def _position(self, stream: Any, rows: int) -> dict[str, Any] | None:
-        try:
-            state = stream.state_dict()
-            json.dumps(state)  # it goes into index.json
-        except Exception:  # a dataset type without (serialisable) state: resume by counting rows
-            return None
-        return {"rows": rows, "state": state, "chunk_docs": self.chunk_docs, "datasets": self.version}
+    hf = source["hf"]
+    return HuggingFaceDatasetReader(
+        hf["dataset"],
+        dataset_options={"name": hf["name"], "split": hf["split"]},
+        streaming=hf["streaming"],
+        text_key=text_key,
+        limit=limit or -1,
+    )
 
-    def _usable(self, saved: dict[str, Any] | None) -> bool:
-        return (
-            isinstance(saved, dict)
-            and saved.get("state") is not None
-            and saved.get("chunk_docs") == self.chunk_docs
-            and saved.get("datasets") == self.version
-            and isinstance(saved.get("rows"), int)
-            and 0 <= saved["rows"] <= self.start_row
+
+def _run_local(plan: _Plan, workers: int) -> NanosetSummary:
+    """Run ``plan`` with datatrove's local executor; the summary of the finished folder."""
+    if workers < 1:
+        raise InputError(f"--workers must be >= 1, got {workers}")
+    from datatrove.executor import LocalPipelineExecutor
+
+    executor = LocalPipelineExecutor(
+        plan.pipeline, tasks=plan.tasks, workers=min(workers, plan.tasks), logging_dir=str(plan.logging_dir)
+    )
+    executor.run()
+    if not any(plan.out.glob("*.ds")):
+        raise InputError(
+            f"the input holds no document with text under key {plan.text_key!r} (empty corpus?): "
+            "nothing was written; check the input or --text-column"
         )
+    return summarize_nanoset(plan.out)
 
 
-_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+def _submit_slurm(
+    plan: _Plan,
+    *,
+    partition: str | None,
+    account: str | None,
+    time_limit: str,
+    sbatch_args: list[str],
+    cpus_per_task: int,
+    mem_per_cpu_gb: int,
+    job_name: str,
+    workers: int | None,
+) -> str | None:
+    """Submit ``plan`` as a Slurm job array (datatrove's executor); the job id, None if all tasks are done."""
+    from nanotron_recover.slurm import check_allocation
+
+    check_allocation(partition, account, time_limit, sbatch_args)
+    if not partition:
+        raise InputError("--executor slurm needs --partition (datatrove writes it into the job script)")
+    if cpus_per_task < 1 or mem_per_cpu_gb < 1:
+        raise InputError("--cpus-per-task and --mem-per-cpu-gb must be >= 1")
+    extra: dict[str, Any] = {"account": account} if account else {}
+    for option in sbatch_args:
+        match = re.fullmatch(r"--([A-Za-z][A-Za-z0-9-]*)(?:=(.*))?", option)
+        if not match:
+            raise InputError(f"--sbatch-arg {option!r}: use the long form, --name=value (e.g. --qos=high)")
+        extra[match.group(1)] = match.group(2) or ""
+    from datatrove.executor import SlurmPipelineExecutor
+
+    executor = SlurmPipelineExecutor(
+        plan.pipeline,
+        tasks=plan.tasks,
+        time=time_limit,
+        partition=partition,
+        cpus_per_task=cpus_per_task,
+        mem_per_cpu_gb=mem_per_cpu_gb,
+        workers=workers if workers is not None else -1,
+        job_name=job_name,
+        qos=None,  # datatrove's default, "normal", is not a QOS every cluster has; --sbatch-arg=--qos=X
+        # The job runs `launch_pickled_pipeline` from this environment, with this Python.
+        env_command=f"export PATH={shlex.quote(str(Path(sys.executable).parent))}:$PATH",
+        sbatch_args=extra,
+        logging_dir=str(plan.logging_dir),
+    )
+    try:
+        executor.run()
+    except FileNotFoundError:
+        raise InputError(
+            "sbatch not found: run this on a Slurm login node, or use --executor local"
+        ) from None
+    except Exception as e:  # subprocess.CalledProcessError: sbatch printed why on stderr
+        if type(e).__name__ != "CalledProcessError":
+            raise
+        raise InputError(
+            f"sbatch refused the job (exit status {e.returncode}; its message is above)"
+        ) from None
+    return None if executor.job_id in (None, -1) else str(executor.job_id)
 
 
-def parse_token_count(text: str) -> int:
-    """Parse ``300000``, ``300_000``, ``300k``, ``1.5M``, ``2B`` into a positive token count."""
-    match = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([kmbgtKMBGT]?)\s*", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"invalid token count {text!r} (examples: 300000, 300k, 1.5M, 2B)")
-    # Decimal, not float: "12345678901234567" and "1.000001M" must stay exact.
-    value = Decimal(match.group(1).replace("_", "")) * _SUFFIXES[match.group(2).lower()]
-    if value < 1 or value != int(value):
-        raise argparse.ArgumentTypeError(f"invalid token count {text!r}: must be a positive whole number")
-    return int(value)
-
-
+# -- command line -------------------------------------------------------------------------------
 def _dataset_name(text: str) -> str | None:
     return None if text.lower() == "none" else text
 
 
-def add_preprocess_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``nanotron-recover preprocess`` options to ``parser``."""
-    parser.add_argument(
-        "--dataset",
-        default="allenai/c4",
-        help="HF dataset id, or a loader like `json` (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--name",
-        type=_dataset_name,
-        default="en",
-        help="dataset config name, or `none` (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--data-files", nargs="+", metavar="F", default=None, help="local data files, e.g. for --dataset json"
-    )
-    parser.add_argument("--split", default="train", help="split to read (default: %(default)s)")
-    parser.add_argument(
-        "--text-column", default="text", help="column holding the text (default: %(default)s)"
-    )
-    parser.add_argument("--tokenizer", required=True, help="tokenizer name or local folder (AutoTokenizer)")
-    parser.add_argument(
-        "--out", type=Path, required=True, help="corpus folder to write; an unfinished one is resumed"
-    )
-    parser.add_argument(
-        "--max-tokens",
-        type=parse_token_count,
-        default=None,
-        help="stop after exactly this many tokens (e.g. 300k, 1.5M); a larger value extends a finished --out",
-    )
-    parser.add_argument(
-        "--workers",
-        type=_non_negative_int,
-        default=None,
-        help="tokenizing processes (default: the usable CPU cores; 0 = tokenize in this process)",
-    )
-    parser.add_argument(
-        "--chunk-docs",
-        type=_positive_int,
-        default=DEFAULT_CHUNK_DOCS,
-        metavar="N",
-        help="documents per tokenization task (default: %(default)s); resume with the same value "
-        "to restart from the dataset's saved position instead of re-reading the rows before it",
-    )
-    parser.add_argument(
-        "--no-progress",
-        dest="progress",
-        action="store_false",
-        help="hide the progress bar (hidden anyway off a TTY)",
-    )
-
-
-def _non_negative_int(text: str) -> int:
+def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = _non_negative_int(text)
+        value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
     return value
 
 
-def run_preprocess(args: argparse.Namespace) -> int:
-    """Run :func:`preprocess` from parsed CLI arguments and print a one-line summary; returns the exit code.
+def add_preprocess_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``nanotron-recover preprocess`` options to ``parser``."""
+    from nanotron_recover.slurm import add_allocation_arguments
 
-    User errors (bad column, another source in --out, missing files, ...) are printed as one
-    line and return 2, like the other subcommands; other ValueErrors return 1.
+    parser.add_argument(
+        "--data-files",
+        nargs="+",
+        metavar="PATH",
+        default=None,
+        help="JSON-lines input: files, or folders of *.jsonl / *.json files (optionally .gz, .zst, ...)",
+    )
+    parser.add_argument(
+        "--dataset",
+        default=None,
+        help="a Hugging Face dataset to read instead (e.g. allenai/c4, with --name en); "
+        "`--dataset json` with --data-files is the same as --data-files alone",
+    )
+    parser.add_argument(
+        "--name", type=_dataset_name, default=None, help="the dataset's config name (e.g. en), or `none`"
+    )
+    parser.add_argument("--split", default="train", help="split to read (default: %(default)s)")
+    parser.add_argument(
+        "--no-streaming",
+        dest="streaming",
+        action="store_false",
+        help="download the whole dataset before reading it (default: stream it)",
+    )
+    parser.add_argument(
+        "--text-column",
+        "--text-key",
+        dest="text_key",
+        default="text",
+        help="field holding the text (default: %(default)s); rows without text are skipped",
+    )
+    parser.add_argument(
+        "--limit",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="read at most N documents per task (a sample of a large dataset)",
+    )
+    parser.add_argument("--tokenizer", required=True, help="tokenizer name or local folder (AutoTokenizer)")
+    parser.add_argument(
+        "--eos-token",
+        default=None,
+        help="token appended to every document (default: the tokenizer's own eos token, so documents "
+        "stay separated once packed into samples)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the document shuffle inside each output file (default: %(default)s); "
+        "same seed, same bytes",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="the Nanoset folder to write (*.ds, *.ds.index, *.ds.metadata)",
+    )
+    parser.add_argument(
+        "--logging-dir",
+        type=Path,
+        default=None,
+        help=f"datatrove's logs and completion marks (default: <out>/{DEFAULT_LOGGING_DIR}); "
+        "rerunning with the same one skips the tasks already done",
+    )
+    parser.add_argument(
+        "--tasks",
+        type=_positive_int,
+        default=1,
+        help="tasks (= output files) to split the work into (default: %(default)s); with --data-files "
+        "at most one per input file",
+    )
+    parser.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=None,
+        help="tasks run at the same time (default: local: min(--tasks, usable cores); slurm: no limit)",
+    )
+    parser.add_argument(
+        "--executor",
+        choices=("local", "slurm"),
+        default="local",
+        help="local: worker processes on this machine (default); slurm: submit a job array and return",
+    )
+    add_allocation_arguments(parser)  # --partition, --account, --time, --sbatch-arg: as `slurm` has them
+    parser.add_argument(
+        "--job-name", default=DEFAULT_JOB_NAME, help="Slurm job name (default: %(default)s)"
+    )
+    parser.add_argument("--cpus-per-task", type=int, default=1, help="Slurm CPUs per task (default: 1)")
+    parser.add_argument(
+        "--mem-per-cpu-gb", type=int, default=2, help="Slurm memory per CPU in GB (default: 2)"
+    )
+
+
+def _source_of(args: argparse.Namespace) -> dict[str, Any]:
+    dataset = getattr(args, "dataset", None)
+    if args.data_files:
+        if dataset not in (None, "json"):
+            raise InputError(
+                f"--data-files reads JSON-lines files; it cannot be combined with --dataset {dataset}"
+            )
+        return {"jsonl": [str(f) for f in _jsonl_files(args.data_files)]}
+    if dataset in (None, "json"):
+        raise InputError(
+            "nothing to read: pass --data-files (JSON-lines) or --dataset (a Hugging Face dataset)"
+        )
+    return {
+        "hf": {
+            "dataset": dataset,
+            "name": getattr(args, "name", None),
+            "split": getattr(args, "split", "train"),
+            "streaming": getattr(args, "streaming", True),
+        }
+    }
+
+
+def run_preprocess(args: argparse.Namespace) -> int:
+    """Run ``nanotron-recover preprocess`` from parsed arguments, print a one-line summary; the exit code.
+
+    Bad input prints one line and returns 2, like the other subcommands.
     """
     try:
-        result = preprocess_run(
-            args.dataset,
-            args.name,
-            data_files=args.data_files,
-            split=args.split,
-            text_column=args.text_column,
-            tokenizer=args.tokenizer,
-            out=args.out,
-            max_tokens=args.max_tokens,
-            progress=getattr(args, "progress", True),
-            workers=getattr(args, "workers", None),
-            chunk_docs=getattr(args, "chunk_docs", DEFAULT_CHUNK_DOCS),
-            log=lambda line: print(line, flush=True),
+        plan = _plan(
+            _source_of(args),
+            args.out,
+            str(args.tokenizer),
+            tasks=args.tasks,
+            text_key=args.text_key,
+            eos_token=args.eos_token,
+            seed=args.seed,
+            limit=args.limit,
+            logging_dir=args.logging_dir,
         )
-    except (InputError, FileNotFoundError) as e:
-        print(f"nanotron-recover preprocess: error: {e}", file=sys.stderr)
+        if plan.completed_before:
+            print(
+                f"preprocess: {plan.completed_before} of {plan.tasks} task(s) already complete "
+                f"(logging dir {plan.logging_dir}); running the rest",
+                flush=True,
+            )
+        if args.executor == "slurm":
+            job = _submit_slurm(
+                plan,
+                partition=args.partition,
+                account=args.account,
+                time_limit=args.time,
+                sbatch_args=list(args.sbatch_args),
+                cpus_per_task=args.cpus_per_task,
+                mem_per_cpu_gb=args.mem_per_cpu_gb,
+                job_name=args.job_name,
+                workers=args.workers,
+            )
+            if job is None:
+                print(f"preprocess: all {plan.tasks} task(s) are complete; nothing submitted", flush=True)
+            else:
+                print(
+                    f"preprocess: submitted Slurm job {job} ({plan.tasks} task(s)) writing {plan.out}; "
+                    f"logs in {plan.logging_dir}; run the same command again to resubmit unfinished tasks",
+                    flush=True,
+                )
+            return 0
+        workers = args.workers or min(plan.tasks, default_workers())
+        began = time.perf_counter()
+        summary = _run_local(plan, workers)
+        seconds = time.perf_counter() - began
+    except InputError as e:
+        print(f"nanotron-recover preprocess: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return 2
-    except ValueError as e:
-        print(f"nanotron-recover preprocess: error: {e}", file=sys.stderr)
-        return 1
-    if result.status == "complete":
-        return 0  # preprocess already said so
-    index = result.index
-    rate = result.tokens_written / result.seconds if result.seconds > 0 else 0.0
+    rate = "" if plan.completed_before else f", {summary.num_tokens / max(seconds, 1e-9):,.0f} tok/s"
     print(
-        f"preprocess: wrote {index.num_tokens:,} tokens from {index.num_documents:,} documents "
-        f"(vocab_size {index.vocab_size}, {index.dtype}) to {args.out} "
-        f"[{result.tokens_written:,} this run in {result.seconds:.1f} s, {rate:,.0f} tok/s, "
-        f"{result.workers} workers]"
+        f"preprocess: {summary.folder} holds {summary.num_tokens:,} tokens in {summary.num_documents:,} "
+        f"documents ({len(summary.files)} file(s), {summary.dtype}, tokenizer {summary.tokenizer}) "
+        f"[{seconds:.1f} s{rate}, {min(workers, plan.tasks)} worker(s)]",
+        flush=True,
     )
     return 0

@@ -48,6 +48,7 @@ class HSDPModelEngine:
             dtype=DTYPES[cfg.model.dtype],
             device=world.device,
             init_std=init.std,
+            depth_scaled_init=init.depth_scaled,
             seed=cfg.general.seed,
         )
         if init.path is not None:

@@ -54,7 +54,7 @@ class ThreeDEngine:
         if init.path is not None:
             CheckpointReader(init.path).load_model(self.stage)
         else:
-            self.stage.init_weights(init.std, cfg.general.seed)
+            self.stage.init_weights(init.std, cfg.general.seed, depth_scaled=init.depth_scaled)
         named = list(self.stage.named_parameters())
         self.grads = GradBuffer(named, world.device)
         self.grads_flat = self.grads.flat

@@ -189,9 +189,10 @@ class LlamaStage(nn.Module):
         return specs
 
     @torch.no_grad()
-    def init_weights(self, std: float, seed: int) -> None:
+    def init_weights(self, std: float, seed: int, depth_scaled: bool = False) -> None:
         """Layout-independent init: each full tensor is drawn from a generator seeded by (seed, name)
-        and sliced, so every tp/pp layout starts from exactly the same model."""
+        and sliced, so every tp/pp layout starts from exactly the same model (``depth_scaled``: the
+        output projections with the std of :func:`init_std`)."""
         params = dict(self.named_parameters())
         for name, spec in self.specs.items():
             param = params[name]
@@ -199,8 +200,9 @@ class LlamaStage(nn.Module):
                 param.fill_(1.0)
                 continue
             full = torch.empty(spec.full_shape, dtype=torch.float32)
+            sigma = init_std(spec.canonical_name, std, self.cfg.num_hidden_layers, depth_scaled)
             full.normal_(
-                0.0, std, generator=torch.Generator().manual_seed(name_seed(seed, spec.canonical_name))
+                0.0, sigma, generator=torch.Generator().manual_seed(name_seed(seed, spec.canonical_name))
             )
             param.copy_(shard(full, spec, self.tp_rank, self.tp))
 
@@ -221,6 +223,19 @@ class LlamaStage(nn.Module):
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return gather_from_tp(logits, self.tp_group)
+
+
+# Row-parallel output projections: what Nanotron's NUM_LAYERS init scaling shrinks with depth.
+_DEPTH_SCALED = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def init_std(name: str, std: float, num_layers: int, depth_scaled: bool) -> float:
+    """The std the canonical tensor ``name`` is drawn with: ``std``, or for the output projections
+    with Nanotron's ``scaling_method: NUM_LAYERS`` (its default) ``std / sqrt(2 * num_layers)``, so
+    the residual stream's variance does not grow with depth."""
+    if depth_scaled and name.endswith(_DEPTH_SCALED):
+        return std / (2 * num_layers) ** 0.5
+    return std
 
 
 def name_seed(seed: int, name: str) -> int:

@@ -1,5 +1,5 @@
-"""Nanotron's learning-rate schedule: linear (or constant) warm-up, then cosine, linear or no decay
-down to ``min_decay_lr``. ``lr_at(k)`` is the rate of the k-th optimizer step (0-based): a pure
+"""Nanotron's learning-rate schedule: linear (or constant) warm-up, then cosine, linear, 1-sqrt or no
+decay down to ``min_decay_lr``. ``lr_at(k)`` is the rate of the k-th optimizer step (0-based): a pure
 function, so resuming from a checkpoint needs only the step count."""
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ def lr_at(k: int, args: LRSchedulerArgs, train_steps: int) -> float:
     if k < start or args.lr_decay_style == "constant":
         return lr
     progress = min((k - start) / steps, 1.0)
+    low = args.min_decay_lr if args.min_decay_lr is not None else lr
     if args.lr_decay_style == "cosine":
-        return args.min_decay_lr + (lr - args.min_decay_lr) * 0.5 * (1 + math.cos(math.pi * progress))
-    return args.min_decay_lr + (lr - args.min_decay_lr) * (1 - progress)
+        return low + (lr - low) * 0.5 * (1 + math.cos(math.pi * progress))
+    if args.lr_decay_style == "1-sqrt":
+        return low + (lr - low) * (1 - math.sqrt(progress))
+    return low + (lr - low) * (1 - progress)

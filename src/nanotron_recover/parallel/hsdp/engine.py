@@ -50,7 +50,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ...config import LlamaConfig, OptimizerArgs
-from ...models.llama import LlamaStage, RotaryEmbedding, name_seed
+from ...models.llama import LlamaStage, RotaryEmbedding, init_std, name_seed
 from ...optim.optimizer import build_adamw
 
 OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
@@ -90,6 +90,7 @@ class HSDPEngine:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         init_std: float | None = 0.02,
+        depth_scaled_init: bool = False,
         seed: int = 42,
         reduce_every_microbatch: bool = True,
     ):
@@ -163,7 +164,7 @@ class HSDPEngine:
 
         self.torch_opt = build_adamw(list(self.masters.values()), optimizer_cfg)
         if init_std is not None:
-            self.init_weights(init_std, seed)
+            self.init_weights(init_std, seed, depth_scaled_init)
 
     # -- layout ------------------------------------------------------------------------------
     @staticmethod
@@ -192,11 +193,12 @@ class HSDPEngine:
 
     # -- init ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def init_weights(self, std: float, seed: int) -> None:
-        """The same model as ``LlamaStage.init_weights(std, seed)`` on any tp/pp layout (weights in
-        the model dtype, masters equal to them, as the 3D engine's masters start)."""
+    def init_weights(self, std: float, seed: int, depth_scaled: bool = False) -> None:
+        """The same model as ``LlamaStage.init_weights(std, seed, depth_scaled)`` on any tp/pp layout
+        (weights in the model dtype, masters equal to them, as the 3D engine's masters start)."""
         for name, spec in self.specs.items():
-            full = init_full_tensor(spec.canonical_name, spec.full_shape, std, seed)
+            sigma = init_std(spec.canonical_name, std, self.cfg.num_hidden_layers, depth_scaled)
+            full = init_full_tensor(spec.canonical_name, spec.full_shape, sigma, seed)
             self.masters[name].copy_(self.local_slice(name, full.to(self.dtype).float()))
 
     # -- training --------------------------------------------------------------------------------
