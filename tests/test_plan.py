@@ -242,3 +242,34 @@ def test_steady_plan_properties(step: int, B: int, alive: set[int], spares: str)
         assert max(counts) - min(counts) <= 1
     # Deterministic: a pure function of (step, B, alive, spares).
     assert plan == steady_plan(step, B, sorted(alive), spares)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- the ablation's variants
+
+
+def test_zero_spares_compute_like_shadows_but_are_not_shadows() -> None:
+    plan = steady_plan(0, 9, range(4), spares="zero")
+    spare = plan.assignments[3]
+    assert spare.role is Role.SPARE and spare.ids == plan.ids_of(0), "the same work as a shadow"
+    assert spare.shadow_of is None and not spare.promotable and not spare.contributes
+    check_coverage(plan)
+
+
+def test_adaptive_plan_gives_each_replica_its_own_ids_and_drops_the_dead_ones() -> None:
+    from nanotron_recover.policy import adaptive_plan
+
+    plan = adaptive_plan(2, 8, 4, [0, 2, 3])  # replica 1 is gone: its ids 18, 19 are not computed
+    assert _ids(plan) == {0: (16, 17), 2: (20, 21), 3: (22, 23)}
+    assert set(_roles(plan).values()) == {Role.MAJOR} and plan.g == 2
+    assert plan.divisor == 6, "the adaptive world averages over what is summed"
+    assert steady_plan(2, 8, [0, 2, 3]).divisor == 8, "the static world always divides by B"
+    check_coverage(plan)
+    with pytest.raises(ValueError, match="must be in 0..3"):
+        adaptive_plan(0, 8, 4, [4])
+    with pytest.raises(ValueError, match="multiple of the 3 initial replicas"):
+        adaptive_plan(0, 8, 3, [0])
+    with pytest.raises(NoReplicasLeft):
+        adaptive_plan(0, 8, 4, [])
+    duplicated = replace(plan, assignments={**plan.assignments, 3: replace(plan.assignments[3], ids=(16, 17))})
+    with pytest.raises(CoverageError, match="duplicated ids"):
+        check_coverage(duplicated)

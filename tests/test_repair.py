@@ -311,3 +311,23 @@ def test_sequences_of_steps(run: tuple[int, int, int, str], data: st.DataObject)
         assert set(following.alive) == set(range(w_init)) - dead
         _assert_exact_coverage(following)
         plan = following
+
+
+def test_zero_spare_is_not_promoted_the_lost_ids_are_recomputed() -> None:
+    plan = steady_plan(0, 9, range(4), spares="zero")  # spare 3 computes Major 0's ids, as zeros
+    rep = repair(plan, [0])
+    assert rep.action is Action.POLICY_BOUNDARY and rep.promoted == {}
+    assert rep.redistributed_ids == plan.ids_of(0)
+    assert not rep.plan.assignments[3].contributes
+    check_coverage(rep.plan)
+
+
+def test_adaptive_world_drops_the_lost_ids() -> None:
+    from nanotron_recover.policy import adaptive_plan
+
+    plan = adaptive_plan(0, 8, 4, range(4))
+    rep = repair(plan, [1, 3])
+    assert rep.action is Action.DROP and rep.lost_ids == (2, 3, 6, 7)
+    assert rep.extra == {} and rep.g_ext == 0
+    assert rep.plan.contributed_ids() == (0, 1, 4, 5) and rep.plan.divisor == 4
+    check_coverage(rep.plan)

@@ -126,24 +126,47 @@ def test_pipeline_1f1b_replica_lost(tmp_path, local_dataset, plain):
     assert_equivalent(tmp_path, plain, survivors=[0, 2, 3])
 
 
-def test_spare_promotion_costs_no_extra_microbatch(tmp_path, local_dataset, plain):
+@pytest.mark.parametrize("spares", ["shadow", "zero"])
+def test_spare_promotion_costs_no_extra_microbatch(tmp_path, local_dataset, plain, spares):
     """W_init=8 replicas with G=1 (B=8). Once 3 are lost, W=5 gives G=2: 4 Majors and 1 Spare that
-    shadows the first Major (replica 0). Killing replica 0 then promotes the Spare: nothing is recomputed."""
+    computes the first Major's (replica 0's) ids. Killing replica 0 then promotes a shadow Spare:
+    nothing is recomputed. A zero Spare (the paper's) did the same work but cannot stand in: the
+    survivors recompute replica 0's two ids. Either way the curve is the plain one."""
     faults = [
         {"step": 2, "replica": 5, "phase": "forward"},
         {"step": 2, "replica": 6, "phase": "forward"},
         {"step": 2, "replica": 7, "phase": "forward"},
         {"step": 4, "replica": 0, "phase": "backward"},
     ]
-    run(tmp_path, local_dataset.corpus_dir, layout(1, 1, 8, 1) + recover(faults), 8)
+    run(tmp_path, local_dataset.corpus_dir, layout(1, 1, 8, 1) + recover(faults, spares=spares), 8)
     assert_equivalent(tmp_path, plain, survivors=[1, 2, 3, 4])
     incidents = read_incidents(tmp_path)
-    promoted = [i for i in incidents if i["step"] == 4]
-    assert len(promoted) == 1
-    assert promoted[0]["action"] == "promote_spare"
-    assert promoted[0]["extra_microbatches"] == 0
+    (promoted,) = [i for i in incidents if i["step"] == 4]
     step4 = next(r for r in read_metrics(tmp_path) if r["step"] == 4)
-    assert step4["g_ext"] == 0
+    if spares == "shadow":
+        assert promoted["action"] == "promote_spare"
+        assert promoted["extra_microbatches"] == 0 and step4["g_ext"] == 0
+    else:
+        assert promoted["action"] == "policy_boundary"
+        assert promoted["extra_microbatches"] == 2 and step4["g_ext"] == 1
+
+
+def test_adaptive_world_drops_the_lost_microbatches_and_drifts(tmp_path, local_dataset, plain):
+    """The ablation's adaptive world (what elastic trainers do): a replica killed in step 4 loses
+    its two ids for that step, later steps sum only the survivors' 6 of 8 ids and divide by that,
+    so the curve leaves the plain one, while the survivors stay bitwise identical."""
+    faults = [{"step": 4, "replica": 1, "phase": "forward", "microbatch": 1}]
+    run(tmp_path, local_dataset.corpus_dir, layout(1, 1, 4, 2) + recover(faults, policy="adaptive_world"), 4)
+    got = read_metrics(tmp_path)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert_same_curve(got[:3], plain[:3])
+    (incident,) = read_incidents(tmp_path)
+    assert incident["action"] == "drop" and incident["lost_ids"] == [26, 27]
+    assert incident["extra_microbatches"] == 0
+    assert all(r["ids_digest"] != w["ids_digest"] for r, w in zip(got[3:], plain[3:], strict=True))
+    assert all(r["g_ext"] == 0 and r["g_cur"] == 2 for r in got)
+    assert max(abs(r["loss"] - w["loss"]) for r, w in zip(got[3:], plain[3:], strict=True)) > 1e-4
+    assert_replicas_identical(tmp_path, [0, 2, 3])
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])

@@ -1,6 +1,6 @@
 """Workload policy: which replica computes and contributes which micro-batch ids, pure functions only.
 
-``steady_plan`` gives the start-of-step plan, ``repair`` the plan after replicas
+``steady_plan`` gives the start-of-step plan (``adaptive_plan`` the ablation's adaptive world), ``repair`` the plan after replicas
 fail mid-step (the next step is again a ``steady_plan`` of the survivors) and ``check_coverage``
 verifies that a plan sums the step's ids exactly once. See ``plan`` and
 ``repair`` for the protocol.
@@ -9,10 +9,13 @@ verifies that a plan sums the step's ids exactly once. See ``plan`` and
 from .errors import CoverageError, NoReplicasLeft, PolicyError
 from .plan import (
     SPARES_MODES,
+    WORLD_POLICIES,
     Assignment,
     Role,
     SparesMode,
     StepPlan,
+    WorldPolicy,
+    adaptive_plan,
     check_coverage,
     steady_plan,
 )
@@ -20,6 +23,7 @@ from .repair import Action, Repair, repair
 
 __all__ = [
     "SPARES_MODES",
+    "WORLD_POLICIES",
     "Action",
     "Assignment",
     "CoverageError",
@@ -29,6 +33,8 @@ __all__ = [
     "Role",
     "SparesMode",
     "StepPlan",
+    "WorldPolicy",
+    "adaptive_plan",
     "check_coverage",
     "repair",
     "steady_plan",

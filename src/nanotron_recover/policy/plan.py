@@ -18,7 +18,19 @@ At the start of a step, for the ``W`` alive replicas in ascending order:
   (counting spares from 0) shadows Major ``k mod n_majors``: it computes the same
   ids but its buffer is summed as zeros, so that if the Major dies before the
   commit the spare can be promoted and nothing is recomputed. With
-  ``spares="off"`` spares compute nothing (they save energy but cannot cover).
+  ``spares="zero"`` (the paper's spares) a spare computes the same work and
+  contributes zeros too, but is not a shadow: a dead Major's ids are recomputed
+  by the survivors, and the spare only takes a role at the next step's plan.
+  With ``spares="off"`` spares compute nothing (they save energy but cannot cover).
+
+That is the **static world** policy (``policy="static_world"``, the default): every
+step sums the same ``B`` ids, whatever fails. The **adaptive world** policy
+(``policy="adaptive_world"``, what elastic trainers such as torchft do, kept for the
+ablation) instead gives replica ``r`` of the ``W0`` launched ones the fixed ids
+``t*B + r*G0 .. t*B + (r+1)*G0 - 1`` (``G0 = B / W0``): the ids of dead replicas are
+dropped, a replica that dies mid-step loses its ids for that step, and the sum is
+divided by the number of ids actually summed (:attr:`StepPlan.divisor`), so the
+batch shrinks with the world and the loss curve departs from the fault-free one.
 
 Gradients are accumulated locally and reduced only at the end of the step (a
 torn reduction is redone from snapshots), so a replica that fails at any time
@@ -47,8 +59,10 @@ from typing import Literal
 
 from .errors import CoverageError, NoReplicasLeft
 
-SparesMode = Literal["shadow", "off"]
-SPARES_MODES: tuple[str, ...] = ("shadow", "off")
+SparesMode = Literal["shadow", "zero", "off"]
+SPARES_MODES: tuple[str, ...] = ("shadow", "zero", "off")
+WorldPolicy = Literal["static_world", "adaptive_world"]
+WORLD_POLICIES: tuple[str, ...] = ("static_world", "adaptive_world")
 
 
 class Role(Enum):
@@ -75,6 +89,8 @@ class Assignment:
     shadow_of: int | None = None  # the Major whose ids a Spare mirrors (kept after that Major dies)
     contributes: bool = True
     extra_ids: tuple[int, ...] = ()
+    # A Spare that can replace a dead Major's contribution (spares="shadow"); "zero" spares cannot.
+    promotable: bool = True
 
     @property
     def promoted(self) -> bool:
@@ -114,6 +130,7 @@ class StepPlan:
     spares: SparesMode
     assignments: Mapping[int, Assignment]
     g_ext_total: int = 0
+    policy: WorldPolicy = "static_world"
 
     def __post_init__(self) -> None:
         # Normalise so that equal plans compare (and hash) equal however they were built,
@@ -136,12 +153,16 @@ class StepPlan:
                 self.spares,
                 tuple(self.assignments.items()),
                 self.g_ext_total,
+                self.policy,
             )
         )
 
     @property
     def divisor(self) -> int:
-        """What the summed gradient is divided by: always ``B``, never the survivor count."""
+        """What the summed gradient is divided by: always ``B`` in the static world, never the
+        survivor count; in the adaptive world the number of ids summed."""
+        if self.policy == "adaptive_world":
+            return len(self.contributed_ids())
         return self.B
 
     @property
@@ -213,21 +234,57 @@ def steady_plan(step: int, B: int, alive: Iterable[int], spares: SparesMode = "s
         assignments[r] = Assignment(r, Role.MINOR, tuple(range(first + n_major * G, first + B)))
         rest = rest[1:]
     for k, r in enumerate(rest):
-        if spares == "shadow":
-            major = majors[k % n_major]  # round-robin so coverage is spread over as many Majors as possible
-            assignments[r] = Assignment(
-                r, Role.SPARE, assignments[major].ids, shadow_of=major, contributes=False
-            )
-        else:
+        if spares == "off":
             assignments[r] = Assignment(r, Role.SPARE, (), contributes=False)
+            continue
+        major = majors[k % n_major]  # round-robin so coverage is spread over as many Majors as possible
+        assignments[r] = Assignment(
+            r,
+            Role.SPARE,
+            assignments[major].ids,
+            shadow_of=major if spares == "shadow" else None,
+            contributes=False,
+            promotable=spares == "shadow",
+        )
     return StepPlan(step=step, B=B, alive=tuple(replicas), g=G, spares=spares, assignments=assignments)
 
 
+def adaptive_plan(step: int, B: int, initial_replicas: int, alive: Iterable[int]) -> StepPlan:
+    """The adaptive world's plan: each alive replica computes its own fixed ``G0`` ids, no spares."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if initial_replicas < 1 or B % initial_replicas:
+        raise ValueError(f"B={B} must be a positive multiple of the {initial_replicas} initial replicas")
+    replicas = sorted(alive)
+    if len(set(replicas)) != len(replicas):
+        raise ValueError(f"alive replicas must be distinct, got {replicas}")
+    if not replicas:
+        raise NoReplicasLeft(f"step {step}: no replica is alive")
+    if replicas[0] < 0 or replicas[-1] >= initial_replicas:
+        raise ValueError(f"replica ids must be in 0..{initial_replicas - 1}, got {replicas}")
+    g0 = B // initial_replicas
+    first = step * B
+    assignments = {r: Assignment(r, Role.MAJOR, tuple(range(first + r * g0, first + (r + 1) * g0))) for r in replicas}
+    return StepPlan(
+        step=step,
+        B=B,
+        alive=tuple(replicas),
+        g=g0,
+        spares="off",
+        assignments=assignments,
+        policy="adaptive_world",
+    )
+
+
 def check_coverage(plan: StepPlan) -> None:
-    """Raise ``CoverageError`` unless the ids summed at commit are exactly the step's range, once each."""
+    """Raise ``CoverageError`` unless the ids summed at commit are exactly the step's range, once each
+    (the adaptive world: ids of the step's range, once each, at least one)."""
     counts = Counter(plan.contributed_ids())
     expected = plan.id_range
-    missing = [i for i in expected if i not in counts]
+    if plan.policy == "adaptive_world":
+        missing = [] if counts else [expected.start]
+    else:
+        missing = [i for i in expected if i not in counts]
     duplicated = sorted(i for i, n in counts.items() if n > 1)
     stray = sorted(i for i in counts if i not in expected)
     if missing or duplicated or stray:

@@ -24,7 +24,9 @@ For each failed replica that contributed, in ascending replica order:
    trailing survivors may get none). Extra ids are always summed, also by a Spare
    whose shadow work stays zeros.
 
-A step can mix both (:attr:`Action.MIXED`). If a replica dies while doing
+A step can mix both (:attr:`Action.MIXED`). In the adaptive world (``plan.policy``) there
+are no spares and nothing is redistributed: the lost ids are dropped for the step
+(:attr:`Action.DROP`) and the divisor becomes the number of ids still summed. If a replica dies while doing
 recovery work, call :func:`repair` again on the repaired plan: its base and extra
 ids are lost and the same rules apply to the new state.
 
@@ -59,6 +61,7 @@ class Action(str, Enum):
     PROMOTE_SPARE = "promote_spare"  # every lost id was covered by promoting Spares
     POLICY_BOUNDARY = "policy_boundary"  # every lost id was redistributed to survivors
     MIXED = "mixed"  # some ids covered by promotion, the rest redistributed
+    DROP = "drop"  # adaptive world: the lost ids are not summed this step
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,8 @@ def repair(plan: StepPlan, failed: Iterable[int]) -> Repair:
     survivors = tuple(r for r in plan.alive if r not in gone)
     if not survivors:
         raise NoReplicasLeft(f"step {plan.step}: every replica failed (last ones: {sorted(gone)})")
+    if plan.policy == "adaptive_world":
+        return _drop(plan, gone, survivors)
 
     assignments: dict[int, Assignment] = {r: plan.assignments[r] for r in survivors}
     lost: list[int] = []
@@ -160,9 +165,24 @@ def _shadow_of_ids(assignments: Mapping[int, Assignment], ids: tuple[int, ...]) 
     # An alive Spare "will finish" its shadow work by definition: if it dies too, that is another failure.
     for r in sorted(assignments):
         a = assignments[r]
-        if a.role is Role.SPARE and not a.contributes and a.ids == ids:
+        if a.role is Role.SPARE and a.promotable and not a.contributes and a.ids == ids:
             return r
     return None
+
+
+def _drop(plan: StepPlan, gone: set[int], survivors: tuple[int, ...]) -> Repair:
+    """The adaptive world's repair: the dead replicas' ids are not summed this step, nobody redoes them."""
+    lost = sorted(i for r in gone for i in plan.assignments[r].contributed_ids)
+    assignments = {r: plan.assignments[r] for r in survivors}
+    return Repair(
+        plan=replace(plan, alive=survivors, assignments=assignments),
+        failed=tuple(sorted(gone)),
+        action=Action.DROP if lost else Action.NONE,
+        lost_ids=tuple(lost),
+        promoted={},
+        extra={},
+        g_ext=0,
+    )
 
 
 def _action(promoted: bool, redistributed: bool) -> Action:

@@ -101,7 +101,7 @@ from ..logging import IncidentLog
 from ..outcome import SUPERVISED_ENV
 from ..parallel.context import ParallelContext
 from ..parallel.world import World
-from ..policy import CoverageError, StepPlan, check_coverage, repair, steady_plan
+from ..policy import CoverageError, StepPlan, adaptive_plan, check_coverage, repair, steady_plan
 from ..policy.rejoin import RejoinBook, due_replicas
 from .buckets import BucketedReduction
 from .state_transfer import TransferResult, transfer_state
@@ -496,7 +496,10 @@ class ForwardRecovery:
         alive = self.ftc.alive_replicas
         self.injector.begin_step(step, alive)
         # The policy counts steps from 0: its step t holds ids t*B .. t*B+B-1.
-        state = StepState(plan=steady_plan(step - 1, self.B, alive, self.args.spares))
+        if self.args.policy == "adaptive_world":
+            state = StepState(plan=adaptive_plan(step - 1, self.B, self.W, alive))
+        else:
+            state = StepState(plan=steady_plan(step - 1, self.B, alive, self.args.spares))
         self.reduction.reset()
         self.last_failure_view = (0.0, 0.0)
         me = self.ftc.replica
@@ -535,9 +538,19 @@ class ForwardRecovery:
             self._stop(step - 1, self._agreed_stop(stop), known=False, announce=False)
 
         counts = self.bookkeeping[: self.B]
-        if not torch.all(counts == 1.0):
+        summed = [first_id + i for i, c in enumerate(counts.tolist()) if c == 1.0]
+        if state.plan.policy == "adaptive_world":
+            # The dropped ids are summed zero times; every other id exactly once, as the plan says.
+            if summed != sorted(state.plan.contributed_ids()) or not torch.all((counts == 0) | (counts == 1)):
+                raise CoverageError(f"step {step}: the ids summed differ from the adaptive plan's")
+        elif len(summed) != self.B:
             bad = [first_id + i for i, c in enumerate(counts.tolist()) if c != 1.0]
             raise CoverageError(f"step {step}: ids {bad[:10]} were not summed exactly once")
+        divisor = len(summed)
+        if divisor != self.B:
+            # Micro-batch gradients were scaled by 1/B as they were computed; the adaptive world
+            # averages over what was summed.
+            self.parts.engine.grads_flat.mul_(self.B / divisor)
         loss_sum = torch.tensor(
             [self.bookkeeping[self.B : 2 * self.B].sum().item()],
             dtype=torch.float64,
@@ -550,8 +563,8 @@ class ForwardRecovery:
         self._flush_rejoin_records()
         extra: dict[str, Any] = {"world_epoch": self.ftc.epoch, "g_cur": state.plan.g, "g_ext": state.g_ext}
         return ReducedStep(
-            loss=loss_sum.item() / self.B,
-            ids=list(range(first_id, first_id + self.B)),
+            loss=loss_sum.item() / divisor,
+            ids=summed,
             replicas=len(self.ftc.alive_replicas),
             extra=extra,
         )
