@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import add_config_arguments, load_config
+from .config import HFDatasetArgs, NanosetDatasetsArgs, add_config_arguments, load_config
 from .errors import ExitCode, InputError, StopRun
 from .launcher import default_run_dir, last_committed_step, launch, target_step_of
 from .outcome import SUPERVISED_ENV, read_outcome, write_outcome
@@ -26,10 +26,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, check_paths=not args.dry_run)
     args.target_step = target_step_of(cfg, args.stop_after_step)  # for an outcome record on error
     if args.dry_run:
-        for stage in cfg.data_stages:
-            folder = getattr(stage.data.dataset, "dataset_folder", None)
-            if folder is not None and not folder.is_dir():
-                print(f"note: dataset folder {str(folder)!r} does not exist yet (preprocess before training)")
+        missing: list[str] = []
+        for i, stage in enumerate(cfg.data_stages):
+            ds = stage.data.dataset
+            if isinstance(ds, HFDatasetArgs):
+                print(
+                    f"note: data_stages[{i}] names a Hugging Face dataset, which Nanotron tokenizes on the fly: "
+                    "tokenize it once with `nanotron-recover preprocess` and set dataset_folder before training"
+                )
+            elif isinstance(ds, NanosetDatasetsArgs):
+                missing += [f for f in ds.read_paths() if not Path(f).is_dir() and f not in missing]
+        for folder in missing:
+            print(f"note: dataset folder {folder!r} does not exist yet (preprocess before training)")
         from .estimate import format_plan, plan_summary
 
         print(format_plan(plan_summary(cfg)))
@@ -90,6 +98,23 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     return run_preprocess(args)
 
 
+def cmd_convert_corpus(args: argparse.Namespace) -> int:
+    from .data.convert import convert_corpus
+
+    s = convert_corpus(args.old, args.new, tokenizer=args.tokenizer)
+    print(
+        f"wrote {s.folder}: {s.num_tokens:,} tokens in {s.num_documents:,} documents "
+        f"({s.dtype}, tokenizer {s.tokenizer})"
+    )
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .simulate.report import run_simulate
+
+    return run_simulate(args)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -147,11 +172,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="train this many steps instead of the config's")
     p.set_defaults(func=cmd_demo)
 
+    from .simulate.options import add_simulate_arguments
+
+    p = sub.add_parser("simulate", help="model forward recovery vs checkpoint-restart at scale (no GPU needed)")
+    add_config_arguments(p)
+    add_simulate_arguments(p)
+    p.set_defaults(func=cmd_simulate)
+
     from .data import add_preprocess_arguments
 
-    p = sub.add_parser("preprocess", help="tokenize a Hugging Face dataset into a token memmap")
+    p = sub.add_parser(
+        "preprocess", help="tokenize JSON lines or a Hugging Face dataset into a Nanoset folder (datatrove)"
+    )
     add_preprocess_arguments(p)
     p.set_defaults(func=cmd_preprocess)
+
+    p = sub.add_parser(
+        "convert-corpus", help="turn an old tokens.bin + index.json corpus into a Nanoset folder"
+    )
+    p.add_argument("old", metavar="OLD_FOLDER", help="folder with tokens.bin and index.json")
+    p.add_argument("new", metavar="NEW_FOLDER", help="Nanoset folder to write (new or without *.ds files)")
+    p.add_argument("--tokenizer", help="tokenizer name for the metadata (default: index.json's)")
+    p.set_defaults(func=cmd_convert_corpus)
     return parser
 
 
