@@ -10,10 +10,16 @@
 3. Per hang: a replica freezes (SIGSTOP) in compute, in the reduction or at the agree; ``freeze ->
    commit`` is the time from the freeze to the commit of the step it struck (what the hang cost the
    job), median and max over repeats, for each heartbeat setting (period, timeout) measured.
+4. Exact mode (``recover.exact``): steady-state median step time and peak resident set per rank of
+   the plain and the fault-tolerant modes, each normal and exact, on a model large enough for the
+   gradient buffers to show in memory (hidden 256, 4 layers: 3.5M parameters); the gradient buffer
+   bytes per rank are computed (fp32: 4 bytes per parameter; exact: 4 + 8).
 
-Writes ``benchmarks/results/recovery.json`` and ``recovery.md``.
+Writes ``benchmarks/results/recovery.json`` and ``recovery.md`` (1-3), ``recovery_exact.json`` and
+``recovery_exact.md`` (4).
 
     python benchmarks/recovery.py [--steps 40] [--replicas 4] [--repeats 2] [--heartbeats 0.5:2,1:5]
+    python benchmarks/recovery.py --exact-only          # part 4 alone, about 3 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 from common import describe, machine_info, markdown_table, run_training, write_report
+from throughput import PeakRSS
 
 from nanotron_recover.data import ensure_local_dataset
 from nanotron_recover.ft.records import read_records
@@ -51,6 +58,82 @@ def median_step_time(run_dir: Path) -> float:
     return statistics.median(r["step_time_s"] for r in read_metrics(run_dir)[WARMUP_STEPS:])
 
 
+EXACT_MODEL = [
+    "model.model_config.hidden_size=256",
+    "model.model_config.intermediate_size=512",
+    "model.model_config.num_hidden_layers=4",
+]
+EXACT_RUNS = [
+    ("plain", []),
+    ("plain, exact", ["recover.exact=true"]),
+    ("recover", ["recover.enabled=true"]),
+    ("recover, exact", ["recover.enabled=true", "recover.exact=true"]),
+]
+
+
+def exact_cost(tmp: Path, base: list[str], w: int, steps: int, repeats: int, machine: dict) -> tuple:
+    """Part 4: (summary, markdown lines) of the exact mode's steady-state cost."""
+    from nanotron_recover.config import load_config
+    from nanotron_recover.demo import tiny_config_path
+    from nanotron_recover.estimate import plan_summary
+
+    overrides = base + EXACT_MODEL + [f"tokens.train_steps={steps}"]
+    params = plan_summary(
+        load_config(
+            tiny_config_path(), [o for o in overrides if not o.startswith("data_stages")], check_paths=False
+        )
+    )["parameters"]
+    rows, results = [], []
+    for name, extra in EXACT_RUNS:
+        times, peaks = [], []
+        for rep in range(repeats):
+            run_dir = tmp / f"exact-{name.replace(', ', '-')}-{rep}"
+            with PeakRSS(run_dir) as memory:
+                run_training(run_dir, overrides + extra, w)
+            times.append(median_step_time(run_dir))
+            peaks.append(max(memory.per_rank_mib(), default=float("nan")))
+        grad_bytes = params * (12 if "exact" in name else 4)
+        results.append(
+            {
+                "run": name,
+                "median_step_time_s": statistics.median(times),
+                "peak_rss_mib_max_over_ranks": statistics.median(peaks),
+                "gradient_buffer_bytes_per_rank": grad_bytes,
+            }
+        )
+    by = {r["run"]: r for r in results}
+    for r in results:
+        normal = by[r["run"].removesuffix(", exact")]
+        rows.append(
+            [
+                r["run"],
+                f"{r['median_step_time_s']:.4f}",
+                f"{r['median_step_time_s'] / normal['median_step_time_s']:.3f}",
+                f"{r['peak_rss_mib_max_over_ranks']:.0f}",
+                f"{r['peak_rss_mib_max_over_ranks'] - normal['peak_rss_mib_max_over_ranks']:+.0f}",
+                f"{r['gradient_buffer_bytes_per_rank'] / 2**20:.1f}",
+            ]
+        )
+    header = (
+        f"{describe(machine)}. LLaMA of {params / 1e6:.1f}M parameters (hidden 256, 4 layers), {w} replicas "
+        f"(tp=pp=1), B={2 * w}, {steps} steps, medians over {repeats} runs of the steady-state step "
+        f"(after {WARMUP_STEPS} steps)."
+    )
+    table = markdown_table(
+        [
+            "run",
+            "median step time (s)",
+            "vs normal",
+            "peak RSS per rank (MiB)",
+            "vs normal (MiB)",
+            "gradient buffers per rank (MiB)",
+        ],
+        rows,
+    )
+    summary = {"machine": machine, "replicas": w, "steps": steps, "parameters": params, "runs": results}
+    return summary, [header, "", *table]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -59,11 +142,13 @@ def main() -> int:
     parser.add_argument(
         "--heartbeats", default="0.5:2,1:5", help="heartbeat settings period:timeout (s), comma-separated"
     )
+    parser.add_argument("--exact-only", action="store_true", help="only part 4, the exact mode's cost")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     w = args.replicas
+    machine = machine_info()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         data = ensure_local_dataset(tmp / "data")
@@ -73,6 +158,10 @@ def main() -> int:
             "tokens.batch_accumulation_per_replica=2",
             "checkpoints.save_final_state=false",
         ]
+        exact_summary, exact_lines = exact_cost(tmp, base, w, args.steps, args.repeats, machine)
+        write_report(out, "recovery_exact", exact_summary, exact_lines)
+        if args.exact_only:
+            return 0
         steady = {}
         for mode, extra in (("plain", []), ("recover", ["recover.enabled=true"])):
             times = []
@@ -145,7 +234,6 @@ def main() -> int:
         }
         for phase in PHASES
     }
-    machine = machine_info()
     summary = {
         "machine": machine,
         "replicas": w,

@@ -437,6 +437,45 @@ def test_recover_rule_message(overrides: list[str], message: str):
     assert tiny_error(*overrides) == message
 
 
+EXACT_ON = "recover.exact=true"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            [EXACT_ON, "parallelism.dp_shard=2"],
+            "recover.exact: true is implemented for the 3D engine (parallelism.dp_shard: 1); HSDP "
+            "accumulates FSDP's reduce-scattered floats, whose sum is not exact",
+        ),
+        (
+            [EXACT_ON, RECOVER_ON, "recover.policy=adaptive_world", "recover.spares=off"],
+            "recover.exact: true cannot be used with recover.policy: adaptive_world, which changes the "
+            "batch when a replica is lost; exact mode equals the fault-free run only with static_world",
+        ),
+        (
+            [EXACT_ON, RECOVER_ON, "recover.mode=checkpoint_restart", "checkpoints.checkpoint_interval=2"],
+            "recover.exact: true needs recover.mode: forward (or recover.enabled: false)",
+        ),
+        (
+            [EXACT_ON, RECOVER_ON, "recover.rejoin.mode=spawn"],
+            "recover.exact: true is not implemented with recover.rejoin yet; set rejoin.mode: off",
+        ),
+        (
+            [EXACT_ON, "recover.exact_fraction_bits=60"],
+            "recover.exact_fraction_bits must be between 8 and 56, got 60",
+        ),
+    ],
+)
+def test_exact_mode_refuses_what_it_cannot_make_exact(overrides: list[str], message: str):
+    assert tiny_error(*overrides) == message
+
+
+def test_exact_mode_is_accepted_in_plain_and_forward_runs():
+    assert tiny(EXACT_ON).recover.exact
+    assert tiny(EXACT_ON, RECOVER_ON).recover.exact_fraction_bits == 40
+
+
 LR = "optimizer.learning_rate_scheduler"
 SAVE_EVERY_2 = "checkpoints.checkpoint_interval=2"
 RESTART = ["recover.enabled=true", "recover.mode=checkpoint_restart", SAVE_EVERY_2]

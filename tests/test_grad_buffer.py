@@ -173,3 +173,71 @@ def test_llama_stage_gradients_land_in_the_buffer(tied: bool):
     for name, p in reference.named_parameters():
         assert torch.equal(buf.views[name], p.grad), name
     assert all(p.grad is None for _, p in named)
+
+
+# -- exact mode (recover.exact): fixed-point int64 accumulation ----------------------------------
+def exact_sum(order: list[int], data, bits: int = 40) -> GradBuffer:
+    model = tiny_net()
+    buf = GradBuffer(
+        list(model.named_parameters()), torch.device("cpu"), fraction_bits=bits, max_terms=len(data)
+    )
+    for i in order:
+        backward(model, *data[i])
+    return buf
+
+
+def test_exact_sum_does_not_depend_on_the_order_and_float_sums_do():
+    data = batches(8)
+    orders = [list(range(8)), list(reversed(range(8))), [3, 0, 7, 5, 1, 6, 2, 4]]
+    fixed = [exact_sum(o, data).fixed for o in orders]
+    assert fixed[0].dtype == torch.int64 and fixed[0].count_nonzero() > 0
+    assert all(torch.equal(fixed[0], f) for f in fixed[1:])
+    # The same gradients summed in fp32 in these orders differ in the last bits somewhere: what
+    # exact mode exists to remove.
+    grads = per_batch_grads(tiny_net(), data)
+    name = "0.weight"
+    float_sums = []
+    for o in orders:
+        acc = torch.zeros_like(grads[0][name])
+        for i in o:
+            acc += grads[i][name]
+        float_sums.append(acc)
+    assert any(not torch.equal(float_sums[0], s) for s in float_sums[1:])
+
+
+def test_exact_sum_splits_like_a_reduction_across_replicas():
+    """Two replicas' partial sums added as integers equal one replica summing everything."""
+    data = batches(6)
+    whole = exact_sum(list(range(6)), data).fixed
+    a, b = exact_sum([0, 2, 4], data).fixed, exact_sum([5, 3, 1], data).fixed
+    assert torch.equal(a + b, whole)
+
+
+def test_materialize_is_within_the_rounding_bound_of_the_float_sum():
+    data = batches(8)
+    bits = 20  # coarse, so that the rounding is visible
+    buf = exact_sum(list(range(8)), data, bits=bits)
+    assert buf.flat.count_nonzero() == 0, "fp32 gradients appear only on materialize"
+    buf.materialize()
+    grads = per_batch_grads(tiny_net(), data)
+    for name, view in buf.views.items():
+        exact = sum(g[name].double() for g in grads)
+        bound = len(data) * 2.0 ** -(bits + 1) + 1e-7 * exact.abs().max().item()  # + fp32 of the result
+        assert (view.double() - exact).abs().max().item() <= bound, name
+        assert view.dtype == torch.float32
+    buf.zero_()
+    assert buf.fixed.count_nonzero() == 0 and buf.flat.count_nonzero() == 0
+    assert buf.reduced is buf.fixed
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e9])
+def test_exact_mode_refuses_what_it_cannot_sum(bad: float):
+    w = nn.Parameter(torch.ones(2))
+    GradBuffer([("w", w)], torch.device("cpu"), fraction_bits=40, max_terms=1024)
+    with pytest.raises(ArithmeticError, match="recover.exact: a gradient element of w"):
+        (w * torch.tensor([1.0, bad])).sum().backward()
+
+
+def test_normal_mode_reduces_the_fp32_buffer():
+    buf = GradBuffer(list(tiny_net().named_parameters()), torch.device("cpu"))
+    assert buf.fixed is None and buf.reduced is buf.flat

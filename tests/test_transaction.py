@@ -216,3 +216,72 @@ def test_random_faults_until_half_are_gone(tmp_path, local_dataset, plain):
     lost = sorted(r for i in incidents for r in i["failed_replicas"])
     assert len(lost) == 2
     assert_equivalent(tmp_path, plain, survivors=sorted(set(range(4)) - set(lost)))
+
+
+# -- recover.exact: a faulty run is bit for bit the fault-free run ------------------------------
+EXACT = ["recover.enabled=true", "recover.exact=true"]
+# The fault-free reference: the plain mode (gloo all-reduce of the int64 sums) for tp2, forward
+# recovery without faults (MPI) for pp2: both must be what the faulty run reproduces bit for bit.
+EXACT_REFERENCE = {"tp2": ["recover.exact=true"], "pp2": EXACT}
+EXACT_FAULTS = {
+    # tp=2: a replica lost at the agree (after its reduction), then two in one step, the second
+    # while the survivors recompute the first one's micro-batches.
+    "tp2": (
+        W4_TP2,
+        [
+            {"step": 2, "replica": 1, "phase": "agree"},
+            {"step": 5, "replica": 0, "phase": "forward", "microbatch": 1},
+            {"step": 5, "replica": 2, "phase": "recovery"},
+        ],
+        [3],
+    ),
+    # pp=2 (1F1B), B=4: lost in the reduction; then W=3 gives G=2, two Majors and a spare
+    # shadowing replica 0, which dies in its backward pass (the spare is promoted); then a rank
+    # dies at the gate.
+    "pp2": (
+        layout(1, 2, 4, 1),
+        [
+            {"step": 2, "replica": 3, "phase": "reduce", "microbatch": 0},
+            {"step": 4, "replica": 0, "phase": "backward", "microbatch": 1},
+            {"step": 7, "rank": 3, "phase": "gate"},
+        ],
+        [2],
+    ),
+}
+
+
+def digests(run_dir: Path) -> dict[tuple[int, str], str]:
+    """(replica, 'ppX_tpY') -> parameter digest of every rank that finished."""
+    out = {}
+    for f in (run_dir / "parameters").glob("replica*_pp*_tp*.sha256"):
+        replica, coord = f.stem.split("_", 1)
+        out[(int(replica.removeprefix("replica")), coord)] = f.read_text().strip()
+    return out
+
+
+@pytest.mark.parametrize("name", list(EXACT_FAULTS))
+def test_exact_mode_with_faults_is_bitwise_the_fault_free_run(tmp_path, local_dataset, plain, name):
+    sets, faults, survivors = EXACT_FAULTS[name]
+    ref_dir, run_dir = tmp_path / "reference", tmp_path / "faulty"
+    run(ref_dir, local_dataset.corpus_dir, sets + EXACT_REFERENCE[name], 8)
+    run(run_dir, local_dataset.corpus_dir, sets + EXACT + [f"recover.faults={json.dumps(faults)}"], 8)
+    want, got = read_metrics(ref_dir), read_metrics(run_dir)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert {r for i in read_incidents(run_dir) for r in i["failed_replicas"]} == set(range(4)) - set(
+        survivors
+    )
+    for g, w in zip(got, want, strict=True):
+        assert g["ids_digest"] == w["ids_digest"]
+        assert g["loss"] == w["loss"], f"step {g['step']}: {g['loss']!r} != {w['loss']!r}"
+        assert g["grad_norm"] == w["grad_norm"], f"step {g['step']}"
+    ref, faulty = digests(ref_dir), digests(run_dir)
+    assert {r for r, _ in faulty} == set(survivors)
+    assert faulty and all(digest == ref[(0, coord)] for (_, coord), digest in faulty.items())
+    if name == "pp2":
+        promoted = [i for i in read_incidents(run_dir) if i["step"] == 4]
+        assert [i["action"] for i in promoted] == ["promote_spare"]
+    else:
+        # Exact vs the normal mode (one rank summing all B=8 micro-batches in fp32): the fixed-point
+        # rounding (2^-41 per micro-batch gradient element) is far below fp32's, so the curves agree
+        # like any two orders of the float sum do.
+        assert_same_curve(want, plain)

@@ -506,6 +506,12 @@ class RecoverArgs:
     # (compute like a shadow, contribute zeros, but a lost Major's work is recomputed: the paper's
     # spares, for the ablation) or off (idle).
     spares: Literal["shadow", "zero", "off"] = "shadow"
+    # Bitwise-exact mode: every micro-batch gradient is rounded to a fixed-point integer (2^-bits
+    # units) and summed as int64, within and across replicas, so the summed gradient depends only
+    # on the set of micro-batch ids, not on who computed which or over how many replicas: a run
+    # with faults is bit for bit the same run without them (docs/architecture.md, section 4).
+    exact: bool = False
+    exact_fraction_bits: int = 40
     # Below this many alive replicas the survivors checkpoint and stop.
     min_replicas: int = 1
     # Deadline of every phase only this replica can see (compute, gate, optimizer, its own

@@ -680,6 +680,8 @@ def _validate_recover(cfg: Config, check_paths: bool = True) -> None:
                 "recover.spares: zero cannot be used with recover.policy: adaptive_world, where every "
                 "replica computes its own micro-batches and none is a spare; set recover.spares: shadow or off"
             )
+    if r.exact:
+        _validate_exact(cfg)
     for i, f in enumerate(r.faults):
         _validate_fault(cfg, f, f"recover.faults[{i}]")
     rf = r.random_faults
@@ -753,6 +755,28 @@ def _validate_rejoin(cfg: Config, check_paths: bool) -> None:
             raise ConfigError(f"{where}.hostfile {j.hostfile!r} does not exist: write it or fix the path")
         if not path.is_file():
             raise ConfigError(f"{where}.hostfile {j.hostfile!r} is not a file")
+
+
+def _validate_exact(cfg: Config) -> None:
+    """``recover.exact``: the supported runs (the fixed-point sum lives in the 3D engine's buffer)."""
+    r = cfg.recover
+    if cfg.parallelism.dp_shard > 1:
+        raise ConfigError(
+            "recover.exact: true is implemented for the 3D engine (parallelism.dp_shard: 1); HSDP "
+            "accumulates FSDP's reduce-scattered floats, whose sum is not exact"
+        )
+    if r.policy == "adaptive_world":
+        raise ConfigError(
+            "recover.exact: true cannot be used with recover.policy: adaptive_world, which changes the "
+            "batch when a replica is lost; exact mode equals the fault-free run only with static_world"
+        )
+    if r.checkpoint_restart:
+        raise ConfigError("recover.exact: true needs recover.mode: forward (or recover.enabled: false)")
+    if r.rejoin.mode != "off":
+        raise ConfigError("recover.exact: true is not implemented with recover.rejoin yet; set rejoin.mode: off")
+    bits = r.exact_fraction_bits
+    if not 8 <= bits <= 56:
+        raise ConfigError(f"recover.exact_fraction_bits must be between 8 and 56, got {bits}")
 
 
 def _validate_fault(cfg: Config, f: FaultSpec, where: str) -> None:

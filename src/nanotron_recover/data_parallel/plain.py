@@ -71,12 +71,17 @@ class PlainDataParallel:
             self.injector.maybe_fail("reduce", 0)
         if ctx.dp > 1:
             dist.all_reduce(t.engine.grads_flat, group=ctx.dp_group)
-        # The loss lives on the last stage (its tp ranks hold the same value: count tp rank 0).
-        loss_sum = torch.zeros(1, dtype=torch.float64, device=t.world.device)
+        # The loss lives on the last stage (its tp ranks hold the same value: count tp rank 0). Each
+        # micro-batch's loss goes to its own slot, one rank contributes to each, and the slots are
+        # summed in id order: the step's loss does not depend on the reduction's order, and is
+        # the one forward recovery computes the same way.
+        by_slot = torch.zeros(t.B, dtype=torch.float64, device=t.world.device)
         if t.engine.holds_loss:
-            loss_sum += sum(losses)
-        dist.all_reduce(loss_sum)
-        return ReducedStep(loss_sum.item() / t.B, self._gather_ids(ids), ctx.dp)
+            first = (step - 1) * t.B
+            for i, loss in zip(ids, losses, strict=True):
+                by_slot[i - first] = loss
+        dist.all_reduce(by_slot)
+        return ReducedStep(by_slot.sum().item() / t.B, self._gather_ids(ids), ctx.dp)
 
     def _gather_ids(self, ids: list[int]) -> list[int]:
         """The ids every data rank actually consumed this step (what ``ids_digest`` is computed on)."""

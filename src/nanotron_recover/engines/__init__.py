@@ -35,7 +35,9 @@ if TYPE_CHECKING:
 
 
 class ModelEngine(Protocol):
-    grads_flat: torch.Tensor  # this rank's gradient contribution, summed in place across replicas
+    # This rank's gradient contribution, summed in place across replicas (fp32; int64 fixed point
+    # with recover.exact, turned back into floats by optimizer_step).
+    grads_flat: torch.Tensor
     event_hook: Callable[[str, int], None] | None  # ("forward"|"backward", micro-batch index)
 
     @property

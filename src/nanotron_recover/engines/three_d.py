@@ -56,8 +56,10 @@ class ThreeDEngine:
         else:
             self.stage.init_weights(init.std, cfg.general.seed, depth_scaled=init.depth_scaled)
         named = list(self.stage.named_parameters())
-        self.grads = GradBuffer(named, world.device)
-        self.grads_flat = self.grads.flat
+        exact = cfg.recover.exact_fraction_bits if cfg.recover.exact else None
+        self.grads = GradBuffer(named, world.device, fraction_bits=exact, max_terms=cfg.microbatches_per_step)
+        # What crosses replicas: the fp32 sum, or in exact mode the int64 fixed-point sum.
+        self.grads_flat = self.grads.reduced
         self.optimizer = MasterOptimizer(named, self.grads, cfg.optimizer)
         self.pipeline = build_engine(p.pp_engine, self.stage, ctx, t.micro_batch_size, t.sequence_length)
         self.device = world.device
@@ -94,6 +96,7 @@ class ThreeDEngine:
             dist.all_reduce(self.grads.views[name], group=self.ctx.tied_group)
 
     def optimizer_step(self, lr: float) -> float:
+        self.grads.materialize()  # exact mode: the fp32 gradient of the reduced integer sum
         self._sync_tied_grads()
         grad_norm = clip_grad_norm_(
             self.grads, self.stage.specs, self.cfg.optimizer.clip_grad, self.ctx.tp_rank, self.ctx.mp_group

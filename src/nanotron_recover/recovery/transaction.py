@@ -281,7 +281,8 @@ class ForwardRecovery:
         # [0, B): how many replicas contributed each id; [B, 2B): its loss; then per replica, when
         # it last saw a failure: [2B, 2B+W) the failing operation began, [2B+W, 2B+2W) it raised.
         self.bookkeeping = torch.zeros(2 * self.B + 2 * self.W, dtype=torch.float64)
-        numel = max(1, int(self.args.bucket_size_mb * 2**20) // 4)
+        grads = parts.engine.grads_flat  # fp32, or int64 in exact mode: buckets keep their size in bytes
+        numel = max(1, int(self.args.bucket_size_mb * 2**20) // grads.element_size())
         self.reduction = BucketedReduction([parts.engine.grads_flat, self.bookkeeping], numel)
         parts.engine.event_hook = self._engine_event
         self.incident_log = IncidentLog(self.run_dir / "incidents.jsonl")
