@@ -12,7 +12,7 @@
    job), median and max over repeats, for each heartbeat setting (period, timeout) measured.
 4. Exact mode (``recover.exact``): steady-state median step time and peak resident set per rank of
    the plain and the fault-tolerant modes, each normal and exact, on a model large enough for the
-   gradient buffers to show in memory (hidden 256, 4 layers: 3.5M parameters); the gradient buffer
+   gradient buffers to show in memory (hidden 256, 4 layers: 2.6M parameters); the gradient buffer
    bytes per rank are computed (fp32: 4 bytes per parameter; exact: 4 + 8).
 
 Writes ``benchmarks/results/recovery.json`` and ``recovery.md`` (1-3), ``recovery_exact.json`` and

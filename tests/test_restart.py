@@ -85,7 +85,7 @@ def test_a_run_stopped_on_bad_input_is_not_restarted(tmp_path):
     assert result.returncode == ExitCode.INPUT, result.output[-3000:]
     assert "the run stopped (input): not restarting" in result.output
     assert "relaunching" not in result.output
-    message = f"corpus index {tmp_path / 'index.json'} is missing"
+    message = f"dataset folder '{tmp_path}' holds no Nanoset files (*.ds)"
     assert result.output.count(message) == 1, result.output[-3000:]
     assert f"nanotron-recover launch: {message}" in result.stderr
 
