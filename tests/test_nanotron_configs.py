@@ -54,8 +54,9 @@ def refusal(data: dict) -> str:
 
 
 # -- they load and dry-run --------------------------------------------------------------------------
-def test_the_configs_are_the_three_kinds():
+def test_the_configs_are_the_four_kinds():
     assert sorted(p.name for p in NANOTRON_CONFIGS) == [
+        "nanoset.yaml",
         "qwen2_dense.yaml",
         "smollm2_resume_training.yaml",
         "tiny_llama.yaml",
@@ -408,3 +409,13 @@ def test_benchmark_rows_share_one_header(tmp_path: Path, monkeypatch: pytest.Mon
     lines = csv_path.read_text().splitlines()
     assert len(lines) == 3 and lines[0].startswith("job_id,name,nodes,world_size,seq_len,mbs")
     assert lines[2].split(",")[1] == "second"
+
+
+def test_the_nanoset_config_reads_one_folder_then_a_list_then_a_blend():
+    stages = load(NANOTRON_DIR / "nanoset.yaml").data_stages
+    assert [s.start_training_step for s in stages] == [1, 15, 25]
+    one, listed, blend = (s.data.dataset for s in stages)
+    assert one.folders() == ["datasets/c4-es/tokenized"] and one.weights() is None
+    assert listed.folders() == ["datasets/SlimPajama-6B/tokenized", "datasets/c4-es/tokenized"]
+    assert listed.weights() is None  # weighted by size, read from the folders when training
+    assert blend.folders() == listed.folders() and blend.weights() == [0.8, 0.2]
