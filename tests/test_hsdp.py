@@ -65,8 +65,10 @@ def test_hsdp_2x2_is_the_curve_of_one_process_and_of_3d(tmp_path, one_process):
 # The phases are the transaction's, the same for both engines (tests/test_transaction.py covers each);
 # these check that HSDP's buffers and groups go through them: a compute fault, one after the commit.
 FAULTS = {
-    "forward": [{"step": 3, "replica": 1, "phase": "forward", "microbatch": 1}],
-    "optimizer": [{"step": 2, "replica": 0, "phase": "optimizer"}],
+    "optimizer+forward": [
+        {"step": 2, "replica": 0, "phase": "optimizer"},
+        {"step": 3, "replica": 1, "phase": "forward", "microbatch": 1},
+    ],
     # One rank of a replica (shard rank 1 of replica 1 computes micro-batches 1, 3, ... of its list):
     # its shard peer learns it and leaves, the replica is lost as a whole.
     "one_rank": [{"step": 5, "rank": 3, "phase": "backward", "microbatch": 1}],
