@@ -88,35 +88,43 @@ def assert_completed(result: Completed, run_dir: Path) -> None:
 
 
 # -- hangs ------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("phase", "microbatch"), [("forward", 1), ("reduce", 1), ("agree", 0)], ids=["compute", "reduce", "agree"]
-)
-def test_injected_freeze_is_a_hang_repaired_forward(tmp_path, plain, phase, microbatch):
+FREEZES = {
+    "compute": [{"step": 4, "replica": 2, "phase": "forward", "microbatch": 1}],
+    # Inside the cross-replica reduction, then (a second replica, later) at the commit's agree.
+    "reduce+agree": [
+        {"step": 4, "replica": 2, "phase": "reduce", "microbatch": 1},
+        {"step": 7, "replica": 1, "phase": "agree", "microbatch": 0},
+    ],
+}
+
+
+@pytest.mark.parametrize("where", list(FREEZES))
+def test_injected_freeze_is_a_hang_repaired_forward(tmp_path, plain, where):
     """A replica freezes (SIGSTOP) at an exact point: the heartbeat detector declares it failed, the
-    other three go on, nobody healthy kills itself, and the frozen process is removed for good."""
-    freeze = {"step": 4, "replica": 2, "phase": phase, "microbatch": microbatch, "kind": "freeze"}
-    result = launch(tmp_path, W4 + recover([freeze]))
+    others go on, nobody healthy kills itself, and the frozen process is removed for good."""
+    freezes = [dict(f, kind="freeze") for f in FREEZES[where]]
+    result = launch(tmp_path, W4 + recover(freezes))
     assert_completed(result, tmp_path)
     assert_curve(tmp_path, plain)
-    assert_replicas_identical(tmp_path, [0, 1, 3])
-    (incident,) = read_incidents(tmp_path)
-    assert incident["kind"] == "hang" and incident["failed_replicas"] == [2]
-    assert incident["hung_ranks"] == [2]
-    assert incident["detect_method"] == "record" and 0 < incident["detect_s"] < 30
-    frozen = json.loads((tmp_path / "ranks.json").read_text())[2]["pid"]
-    assert not process_exists(frozen)
+    frozen = [f["replica"] for f in freezes]  # one rank per replica: rank == replica
+    assert_replicas_identical(tmp_path, sorted(set(range(4)) - set(frozen)))
+    incidents = read_incidents(tmp_path)
+    assert [i["step"] for i in incidents] == [f["step"] for f in freezes]
+    ranks = json.loads((tmp_path / "ranks.json").read_text())
+    for incident, replica in zip(incidents, frozen, strict=True):
+        assert incident["kind"] == "hang" and incident["failed_replicas"] == [replica]
+        assert incident["hung_ranks"] == [replica]
+        assert incident["detect_method"] == "record" and 0 < incident["detect_s"] < 30
+        assert not process_exists(ranks[replica]["pid"])
     assert "hung: open for" not in result.output, "no healthy rank may fire its watchdog for another's hang"
 
 
-@pytest.mark.parametrize(
-    ("sets", "rank"),
-    [(W4, 2), (W4_TP2, 5)],
-    ids=["replica_of_one_rank", "one_rank_of_a_tp2_replica"],
-)
-def test_rank_frozen_from_outside(tmp_path, plain, sets, rank):
-    """The test freezes a rank of replica 2 at a moment of its choosing, mid-run. With tp=2 its tp
-    peer learns it from the failure watch and leaves; the other three replicas go on."""
-    job = Job(tmp_path, sets + recover())
+def test_rank_frozen_from_outside(tmp_path, plain):
+    """The test freezes one rank of replica 2 (tp=2) at a moment of its choosing, mid-run: the
+    heartbeat detector declares it failed, its tp peer learns it from the failure watch and leaves,
+    the other three replicas go on. (A frozen replica of one rank: tests/test_comm.py.)"""
+    rank = 5
+    job = Job(tmp_path, W4_TP2 + recover())
     pid = job.pid(rank)
     job.wait_until(lambda: job.committed() >= 3, "step 3")
     os.kill(pid, signal.SIGSTOP)
