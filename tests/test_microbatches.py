@@ -72,7 +72,9 @@ def test_bad_arguments_are_input_errors(tmp_path, kwargs, expected, synthetic):
 
 def test_missing_dataset_folder(tmp_path):
     dataset = NanosetDatasetsArgs(dataset_folder=str(tmp_path / "nope"))
-    with pytest.raises(InputError, match="does not exist: tokenize a corpus into it with `nanotron-recover preprocess`"):
+    with pytest.raises(
+        InputError, match="does not exist: tokenize a corpus into it with `nanotron-recover preprocess`"
+    ):
         build_microbatch_source(dataset, vocab_size=VOCAB, micro_batch_size=1, sequence_length=4, seed=0)
 
 

@@ -29,7 +29,9 @@ VOCAB = 1024
 L = 7  # samples are windows of 8 tokens
 
 
-def write_nanoset(folder: Path, samples: int, base: int, *, files: int = 1, tokenizer: str = "tok") -> np.ndarray:
+def write_nanoset(
+    folder: Path, samples: int, base: int, *, files: int = 1, tokenizer: str = "tok"
+) -> np.ndarray:
     """A folder whose file f holds ``samples // files`` windows (plus a short tail that is never
     read); token values encode (folder base, file, sample, position). Returns each sample's first token."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -190,10 +192,16 @@ def _damage_odd(folder: Path) -> None:
     ("damage", "expected"),
     [
         (lambda f: shutil.rmtree(f), "does not exist: tokenize a corpus into it"),
-        (lambda f: [p.unlink() for p in f.glob("*.ds")], "holds no Nanoset files \\(\\*.ds\\): tokenize a corpus"),
+        (
+            lambda f: [p.unlink() for p in f.glob("*.ds")],
+            "holds no Nanoset files \\(\\*.ds\\): tokenize a corpus",
+        ),
         (lambda f: (f / "00000_data.ds.metadata").unlink(), "00000_data.ds has no 00000_data.ds.metadata"),
         (lambda f: (f / "00000_data.ds.index").unlink(), "00000_data.ds has no 00000_data.ds.index"),
-        (_damage_tail, "is damaged or truncated: 324 bytes of 2-byte ids, metadata says 163 tokens, its index ends at 163"),
+        (
+            _damage_tail,
+            "is damaged or truncated: 324 bytes of 2-byte ids, metadata says 163 tokens, its index ends at 163",
+        ),
         (_damage_odd, "is damaged or truncated: 327 bytes of 2-byte ids"),
         (lambda f: (f / "00000_data.ds.metadata").write_text("gpt2|2\n"), "is not datatrove metadata"),
     ],
@@ -215,10 +223,14 @@ def test_old_corpus_format_points_to_convert(tmp_path):
 
 def test_mixed_tokenizers_are_refused(tmp_path):
     write_nanoset(tmp_path / "m", 4, base=0, tokenizer="gpt2")
-    other = TokenizedFile(str(tmp_path / "m"), "00009_x.ds", tokenizer_name_or_path="llama", save_final_metadata=True)
+    other = TokenizedFile(
+        str(tmp_path / "m"), "00009_x.ds", tokenizer_name_or_path="llama", save_final_metadata=True
+    )
     other.write([1] * 20, None)
     other.close()
-    with pytest.raises(InputError, match="was written with tokenizer 'llama' \\(2-byte ids\\) but 00000_data.ds with 'gpt2'"):
+    with pytest.raises(
+        InputError, match="was written with tokenizer 'llama' \\(2-byte ids\\) but 00000_data.ds with 'gpt2'"
+    ):
         summarize_nanoset(tmp_path / "m")
 
 
@@ -226,7 +238,9 @@ def test_tokenizer_and_metadata_fields_are_checked(folders):
     kwargs = {"vocab_size": VOCAB, "micro_batch_size": 1, "sequence_length": L, "seed": 0}
     ds = NanosetDatasetsArgs(dataset_folder=str(folders["a"]))
     build_microbatch_source(ds, tokenizer_name_or_path="tok", **kwargs)
-    with pytest.raises(InputError, match="was tokenized with 'tok', not tokenizer.tokenizer_name_or_path 'gpt2'"):
+    with pytest.raises(
+        InputError, match="was tokenized with 'tok', not tokenizer.tokenizer_name_or_path 'gpt2'"
+    ):
         build_microbatch_source(ds, tokenizer_name_or_path="gpt2", **kwargs)
     for field, value, expected in [
         ("tokenizer_name", "gpt2", "not tokenizer_name 'gpt2'"),
@@ -259,7 +273,12 @@ def test_samples_outside_the_model_vocabulary_are_refused(folders):
 def test_folder_smaller_than_one_sample_is_refused(folders):
     with pytest.raises(InputError, match="holds no sample of sequence_length \\+ 1 = 201 tokens"):
         NanosetMicroBatches(
-            [summarize_nanoset(folders["b"])], None, micro_batch_size=1, sequence_length=200, seed=0, vocab_size=VOCAB
+            [summarize_nanoset(folders["b"])],
+            None,
+            micro_batch_size=1,
+            sequence_length=200,
+            seed=0,
+            vocab_size=VOCAB,
         )
 
 

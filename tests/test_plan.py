@@ -270,6 +270,8 @@ def test_adaptive_plan_gives_each_replica_its_own_ids_and_drops_the_dead_ones() 
         adaptive_plan(0, 8, 3, [0])
     with pytest.raises(NoReplicasLeft):
         adaptive_plan(0, 8, 4, [])
-    duplicated = replace(plan, assignments={**plan.assignments, 3: replace(plan.assignments[3], ids=(16, 17))})
+    duplicated = replace(
+        plan, assignments={**plan.assignments, 3: replace(plan.assignments[3], ids=(16, 17))}
+    )
     with pytest.raises(CoverageError, match="duplicated ids"):
         check_coverage(duplicated)

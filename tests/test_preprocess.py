@@ -381,7 +381,14 @@ def test_cli_sources(tmp_path, c4_jsonl):
 def test_hugging_face_source_builds_datatroves_reader_without_reading(tok_dir, tmp_path):
     source = {"hf": {"dataset": "allenai/c4", "name": "en", "split": "validation", "streaming": True}}
     plan = _plan(
-        source, tmp_path / "out", tok_dir, tasks=4, text_key="text", eos_token=None, seed=0, limit=10,
+        source,
+        tmp_path / "out",
+        tok_dir,
+        tasks=4,
+        text_key="text",
+        eos_token=None,
+        seed=0,
+        limit=10,
         logging_dir=None,
     )
     reader, writer = plan.pipeline[0], plan.pipeline[1]

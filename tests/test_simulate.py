@@ -195,7 +195,9 @@ def test_stall_last_reads_the_last_commit_like_faults_py():
     restart = 0.1 + 5.0 + 2.0
     assert first.stall_first_s == pytest.approx(restart + 3 * 2.5)
     assert second.stall_last_s == pytest.approx(restart + 5 * 2.5)
-    assert first.stall_last_s == pytest.approx(first.stall_first_s + 2.5 + restart + 3 * 2.5)  # step 4, fault 2
+    assert first.stall_last_s == pytest.approx(
+        first.stall_first_s + 2.5 + restart + 3 * 2.5
+    )  # step 4, fault 2
 
 
 def test_forward_recovery_is_flat_in_the_checkpoint_interval():

@@ -174,7 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .simulate.options import add_simulate_arguments
 
-    p = sub.add_parser("simulate", help="model forward recovery vs checkpoint-restart at scale (no GPU needed)")
+    p = sub.add_parser(
+        "simulate", help="model forward recovery vs checkpoint-restart at scale (no GPU needed)"
+    )
     add_config_arguments(p)
     add_simulate_arguments(p)
     p.set_defaults(func=cmd_simulate)

@@ -244,7 +244,9 @@ def _validate_nanoset(ds: NanosetDatasetsArgs, where: str, check_paths: bool) ->
                 f"{where}.dataset_read_path has {len(reads)} paths for {len(folders)} folders: one per folder"
             )
     if ds.token_size_in_bytes not in (None, 2, 4):
-        raise ConfigError(f"{where}.token_size_in_bytes must be 2 or 4 (or null), got {ds.token_size_in_bytes}")
+        raise ConfigError(
+            f"{where}.token_size_in_bytes must be 2 or 4 (or null), got {ds.token_size_in_bytes}"
+        )
     if ds.vocab_size is not None and ds.vocab_size < 1:
         raise ConfigError(f"{where}.vocab_size must be >= 1 (or null), got {ds.vocab_size}")
     for name, allowed, why in _NANOSET_FIXED:
@@ -773,7 +775,9 @@ def _validate_exact(cfg: Config) -> None:
     if r.checkpoint_restart:
         raise ConfigError("recover.exact: true needs recover.mode: forward (or recover.enabled: false)")
     if r.rejoin.mode != "off":
-        raise ConfigError("recover.exact: true is not implemented with recover.rejoin yet; set rejoin.mode: off")
+        raise ConfigError(
+            "recover.exact: true is not implemented with recover.rejoin yet; set rejoin.mode: off"
+        )
     bits = r.exact_fraction_bits
     if not 8 <= bits <= 56:
         raise ConfigError(f"recover.exact_fraction_bits must be between 8 and 56, got {bits}")

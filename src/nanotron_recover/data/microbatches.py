@@ -136,14 +136,20 @@ def build_microbatch_source(
     folders = [summarize_nanoset(path) for path in dataset.read_paths()]
     for folder in folders:
         where = f"dataset folder {str(folder.folder)!r}"
-        if tokenizer_name_or_path is not None and not same_tokenizer(folder.tokenizer, tokenizer_name_or_path):
+        if tokenizer_name_or_path is not None and not same_tokenizer(
+            folder.tokenizer, tokenizer_name_or_path
+        ):
             raise InputError(
                 f"{where} was tokenized with {folder.tokenizer!r}, not tokenizer.tokenizer_name_or_path "
                 f"{tokenizer_name_or_path!r}: tokenize it again with `nanotron-recover preprocess --tokenizer "
                 f"{tokenizer_name_or_path}`, or set validate_tokenizer: false on the dataset"
             )
-        if dataset.tokenizer_name is not None and not same_tokenizer(folder.tokenizer, dataset.tokenizer_name):
-            raise InputError(f"{where} was tokenized with {folder.tokenizer!r}, not tokenizer_name {dataset.tokenizer_name!r}")
+        if dataset.tokenizer_name is not None and not same_tokenizer(
+            folder.tokenizer, dataset.tokenizer_name
+        ):
+            raise InputError(
+                f"{where} was tokenized with {folder.tokenizer!r}, not tokenizer_name {dataset.tokenizer_name!r}"
+            )
         if dataset.token_size_in_bytes is not None and dataset.token_size_in_bytes != folder.token_size:
             raise InputError(
                 f"{where} stores {folder.token_size}-byte tokens, not token_size_in_bytes "

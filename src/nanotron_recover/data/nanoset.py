@@ -269,7 +269,8 @@ class NanosetMicroBatches:
         self.counts = blend_counts(weights if weights is not None else self.sizes, self.epoch_slots)
         self._dealt = _PerEpoch(lambda e: _deal(self.counts, self.seed, e))
         self._samples = [
-            _PerEpoch(lambda f, n=n, d=d: _permutation(n, self.seed, 1 + d, f)) for d, n in enumerate(self.sizes)
+            _PerEpoch(lambda f, n=n, d=d: _permutation(n, self.seed, 1 + d, f))
+            for d, n in enumerate(self.sizes)
         ]
         # shuffle=False: our permutations are the only shuffling; files are read in name order.
         self._datasets = [
@@ -285,7 +286,9 @@ class NanosetMicroBatches:
         ]
         for f, ds, n in zip(self.folders, self._datasets, self.sizes, strict=True):
             if len(ds) != n:  # datatrove counts windows as we do; a mismatch means another reader
-                raise InputError(f"dataset folder {str(f.folder)!r}: datatrove reads {len(ds)} samples, expected {n}")
+                raise InputError(
+                    f"dataset folder {str(f.folder)!r}: datatrove reads {len(ds)} samples, expected {n}"
+                )
 
     def locate(self, slot: int) -> tuple[int, int]:
         """(folder, sample) of ``slot``: steps 1-3 of the sampling rule."""

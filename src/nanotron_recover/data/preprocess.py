@@ -530,9 +530,7 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> None:
         help="local: worker processes on this machine (default); slurm: submit a job array and return",
     )
     add_allocation_arguments(parser)  # --partition, --account, --time, --sbatch-arg: as `slurm` has them
-    parser.add_argument(
-        "--job-name", default=DEFAULT_JOB_NAME, help="Slurm job name (default: %(default)s)"
-    )
+    parser.add_argument("--job-name", default=DEFAULT_JOB_NAME, help="Slurm job name (default: %(default)s)")
     parser.add_argument("--cpus-per-task", type=int, default=1, help="Slurm CPUs per task (default: 1)")
     parser.add_argument(
         "--mem-per-cpu-gb", type=int, default=2, help="Slurm memory per CPU in GB (default: 2)"

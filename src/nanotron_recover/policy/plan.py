@@ -264,7 +264,9 @@ def adaptive_plan(step: int, B: int, initial_replicas: int, alive: Iterable[int]
         raise ValueError(f"replica ids must be in 0..{initial_replicas - 1}, got {replicas}")
     g0 = B // initial_replicas
     first = step * B
-    assignments = {r: Assignment(r, Role.MAJOR, tuple(range(first + r * g0, first + (r + 1) * g0))) for r in replicas}
+    assignments = {
+        r: Assignment(r, Role.MAJOR, tuple(range(first + r * g0, first + (r + 1) * g0))) for r in replicas
+    }
     return StepPlan(
         step=step,
         B=B,
