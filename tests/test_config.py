@@ -458,10 +458,6 @@ EXACT_ON = "recover.exact=true"
             "recover.exact: true needs recover.mode: forward (or recover.enabled: false)",
         ),
         (
-            [EXACT_ON, RECOVER_ON, "recover.rejoin.mode=spawn"],
-            "recover.exact: true is not implemented with recover.rejoin yet; set rejoin.mode: off",
-        ),
-        (
             [EXACT_ON, "recover.exact_fraction_bits=60"],
             "recover.exact_fraction_bits must be between 8 and 56, got 60",
         ),
@@ -474,6 +470,7 @@ def test_exact_mode_refuses_what_it_cannot_make_exact(overrides: list[str], mess
 def test_exact_mode_is_accepted_in_plain_and_forward_runs():
     assert tiny(EXACT_ON).recover.exact
     assert tiny(EXACT_ON, RECOVER_ON).recover.exact_fraction_bits == 40
+    assert tiny(EXACT_ON, RECOVER_ON, "recover.rejoin.mode=spawn").recover.exact
 
 
 LR = "optimizer.learning_rate_scheduler"

@@ -279,3 +279,38 @@ def test_no_free_slot_the_run_goes_on_shrunk(tmp_path, tmp_path_factory, local_d
     failed = rejoins(tmp_path, "failed")
     assert [f["step"] for f in failed] == [3, 5] and all("spawn" in f["reason"] for f in failed)
     assert_replicas_identical(tmp_path, [0, 2, 3])
+
+
+@pytest.mark.mpi
+def test_exact_mode_with_rejoin_is_bitwise_the_fault_free_run(tmp_path, local_dataset):
+    """recover.exact with re-join: replica 1 is killed, comes back, is killed again as the spawned
+    process; replica 0 (the logging one) too. Every step's loss and grad norm, and the parameters of
+    all four replicas at the end, are bit for bit those of one fault-free process summing B=8."""
+    steps = 10
+    corpus = local_dataset.corpus_dir
+    faults = [
+        {"step": 2, "replica": 1, "phase": "forward", "microbatch": 1},
+        {"step": 5, "replica": 1, "phase": "backward"},  # the process spawned after step 3
+        {"step": 7, "replica": 0, "phase": "agree"},
+    ]
+    exact = ["recover.exact=true"]
+    ref = tmp_path / "reference"
+    check(run_cli(train_args(ref, sets_for(ref, corpus, steps) + layout(1, 1, 1, 8) + exact), timeout=300))
+    run = tmp_path / "faulty"
+    sets = sets_for(run, corpus, steps) + layout(1, 1, 4, 2) + rejoin_sets(faults) + exact
+    check(run_cli(train_args(run, sets), nproc=4, timeout=400))
+    want, got = read_metrics(ref), read_metrics(run)
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    for g, w in zip(got, want, strict=True):
+        assert g["ids_digest"] == w["ids_digest"]
+        assert g["loss"] == w["loss"], f"step {g['step']}: {g['loss']!r} != {w['loss']!r}"
+        assert g["grad_norm"] == w["grad_norm"], f"step {g['step']}"
+    lost = [i for i in read_incidents(run) if i.get("kind") != "rejoin"]
+    assert [i["step"] for i in lost] == [f["step"] for f in faults]
+    assert all(f["replica"] in i["failed_replicas"] for f, i in zip(faults, lost, strict=True))
+    assert [sorted(j["replicas"]) for j in rejoins(run)] == [sorted(i["failed_replicas"]) for i in lost]
+    assert got[-1]["replicas"] == 4
+    (reference,) = (ref / "parameters").glob("replica0_*.sha256")
+    digests = {f.name.split("_", 1)[0]: f.read_text() for f in (run / "parameters").glob("replica*.sha256")}
+    assert sorted(digests) == [f"replica{r}" for r in range(4)]
+    assert set(digests.values()) == {reference.read_text()}

@@ -774,10 +774,6 @@ def _validate_exact(cfg: Config) -> None:
         )
     if r.checkpoint_restart:
         raise ConfigError("recover.exact: true needs recover.mode: forward (or recover.enabled: false)")
-    if r.rejoin.mode != "off":
-        raise ConfigError(
-            "recover.exact: true is not implemented with recover.rejoin yet; set rejoin.mode: off"
-        )
     bits = r.exact_fraction_bits
     if not 8 <= bits <= 56:
         raise ConfigError(f"recover.exact_fraction_bits must be between 8 and 56, got {bits}")
