@@ -284,14 +284,16 @@ def test_no_free_slot_the_run_goes_on_shrunk(tmp_path, tmp_path_factory, local_d
 @pytest.mark.mpi
 def test_exact_mode_with_rejoin_is_bitwise_the_fault_free_run(tmp_path, local_dataset):
     """recover.exact with re-join: replica 1 is killed, comes back, is killed again as the spawned
-    process; replica 0 (the logging one) too. Every step's loss and grad norm, and the parameters of
-    all four replicas at the end, are bit for bit those of one fault-free process summing B=8."""
-    steps = 10
+    process; replica 0 (the logging one) dies at the agree, replica 2 after a commit; each comes
+    back. Every step's loss and grad norm, and the parameters of all four replicas at the end, are
+    bit for bit those of one fault-free process summing B=8."""
+    steps = 12
     corpus = local_dataset.corpus_dir
     faults = [
         {"step": 2, "replica": 1, "phase": "forward", "microbatch": 1},
         {"step": 5, "replica": 1, "phase": "backward"},  # the process spawned after step 3
         {"step": 7, "replica": 0, "phase": "agree"},
+        {"step": 9, "replica": 2, "phase": "optimizer"},  # after the commit: step 10 finds it
     ]
     exact = ["recover.exact=true"]
     ref = tmp_path / "reference"
@@ -306,7 +308,7 @@ def test_exact_mode_with_rejoin_is_bitwise_the_fault_free_run(tmp_path, local_da
         assert g["loss"] == w["loss"], f"step {g['step']}: {g['loss']!r} != {w['loss']!r}"
         assert g["grad_norm"] == w["grad_norm"], f"step {g['step']}"
     lost = [i for i in read_incidents(run) if i.get("kind") != "rejoin"]
-    assert [i["step"] for i in lost] == [f["step"] for f in faults]
+    assert [i["phase"] for i in lost] == [f["phase"] for f in faults]
     assert all(f["replica"] in i["failed_replicas"] for f, i in zip(faults, lost, strict=True))
     assert [sorted(j["replicas"]) for j in rejoins(run)] == [sorted(i["failed_replicas"]) for i in lost]
     assert got[-1]["replicas"] == 4
