@@ -1,7 +1,9 @@
 """Running real multi-process jobs from tests: mpirun with a hard timeout, killing only our own.
 
-mpirun is started in a new session (its own process group); on timeout the whole group gets
-SIGKILL, so no rank outlives the test and nothing else on the machine is touched.
+The command is started in a new session (its own process group). On timeout, it and every process
+descended from it get SIGKILL: ``launch`` starts mpirun in a session of its own, which a kill of
+the group alone would leave running (holding the output pipe open). Nothing else on the machine is
+touched.
 """
 
 from __future__ import annotations
@@ -45,6 +47,37 @@ def single_rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def _descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (read from /proc before anything is killed)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every process descended from it, whatever its session."""
+    below = _descendants(pid)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    for target in below:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def run_process(
     cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> Completed:
@@ -60,7 +93,7 @@ def run_process(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, err = proc.communicate()
         raise AssertionError(
             f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}"
@@ -138,7 +171,7 @@ class BackgroundJob:
         return next(r["pid"] for r in table if r["rank"] == rank)
 
     def kill(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
+        kill_tree(self.proc.pid)
 
     def finish(self, timeout: float = 240.0) -> Completed:
         try:

@@ -92,6 +92,8 @@ from ..data_parallel.protocol import JoinedState, Parked, ReducedStep, ReplicaPa
 from ..errors import STOP_KINDS, StopRun
 from ..ft.failstop import Watchdog, fail_stop
 from ..ft.faults import FaultInjector
+from ..ft.liveness import SpawnedMonitor, start_heartbeat
+from ..ft.processes import ProcessInfo, reap
 from ..ft.records import STOP_KINDS as RECORD_STOP_KINDS
 from ..ft.records import read_records, write_record
 from ..ft.replica_world import init_replica_world
@@ -220,7 +222,41 @@ class ForwardRecovery:
         self.injector = FaultInjector(self.args, self.ftc.rank, self.ftc.replica, self.run_dir)
         if self.ftc.rank == 0:
             self._write_rank_table()
+        self._watch_spawned_processes()
         return world, ctx
+
+    def _watch_spawned_processes(self) -> None:
+        """With re-join, look after the spawned processes of this host, which ULFM's heartbeat
+        detector does not watch (see ``ft/liveness.py``)."""
+        if self.rejoin_on:
+            SpawnedMonitor(
+                self.run_dir,
+                self.args.heartbeat_period_s,
+                self.args.heartbeat_timeout_s,
+                lambda: self.ftc.processes,
+                self._on_frozen_spawned,
+            ).start()
+
+    def _on_frozen_spawned(self, info: ProcessInfo, last_beat: float, age: float) -> None:
+        """Monitor thread: a spawned process of this host is frozen. Write the record it cannot
+        write (a hang, at its last heartbeat), then SIGKILL it: the runtime reports the death to
+        every rank, and the recovery that follows logs the incident from the record."""
+        message = (
+            f"spawned rank {info.rank} (pid {info.pid} on {info.host}) sent no heartbeat for {age:.1f} s"
+        )
+        record = {
+            "rank": info.rank,
+            "replica": self.ftc.topology.replica_of(info.rank),
+            "step": self.step,
+            "phase": self.phase,  # where this rank was when it found the freeze
+            "kind": "hang",
+            "pid": info.pid,
+            "time": last_beat,
+            "message": message,
+        }
+        write_record(self.run_dir, f"step{self.step}_hang_rank{info.rank}", record)
+        print(f"[nanotron-recover] {message}: removing it", file=sys.stderr, flush=True)
+        reap(info)
 
     def _setup_spawned(self, callbacks: dict[str, Any]) -> tuple[World, ParallelContext]:
         """A process spawned by a re-join: take a dead rank's place, receive its replica's state
@@ -229,6 +265,7 @@ class ForwardRecovery:
 
         p = self.cfg.parallelism
         self.joining = True
+        start_heartbeat(self.run_dir, self.args.heartbeat_period_s)  # nobody else watches this process
         self.ftc, pending = FaultTolerantComm.join_parent(p.inner, p.pp, p.dp, **callbacks)
         try:
             return self._join_as_spawned(pending)
@@ -248,6 +285,7 @@ class ForwardRecovery:
         joined = self._finish_join(pending)
         assert joined is not None  # an aborted join SIGKILLs a spawned process
         self._joined = joined
+        self._watch_spawned_processes()
         return joined.world, joined.ctx
 
     def joined_state(self) -> JoinedState | None:

@@ -1,0 +1,116 @@
+"""Heartbeats for spawned processes, which ULFM's detector does not watch.
+
+ULFM's heartbeat detector observes the ranks of the launch's ``MPI_COMM_WORLD``, arranged in a ring.
+A process spawned by a re-join has a world of its own, so nobody observes it. If it freezes (SIGSTOP,
+a node that stops answering), the others wait for it forever. A spawned process that crashes is
+still reported by the runtime like any other.
+
+The protocol has two sides:
+
+- every spawned process runs a daemon thread that touches ``<run_dir>/heartbeats/<host>.<pid>`` every
+  heartbeat period. A frozen process stops it, the same way it stops the failure watch that carries
+  ULFM's heartbeats;
+- every rank runs a monitor thread that, every period, looks at the files of the current grid's
+  processes that run on *its own host*. A file older than the heartbeat timeout, whose process
+  still runs, belongs to a frozen process.
+
+The monitor writes the failure record that the frozen rank cannot write itself (kind ``hang``, at
+the time of its last heartbeat), then SIGKILLs the process. The runtime reports the death to every
+rank as it reports a crash, and forward recovery and re-join take over. Several monitors on one host
+may act on the same process; a second SIGKILL and an identical record change nothing.
+
+Limit: a frozen spawned process on a host where no other process of the job runs is seen by nobody
+who can kill it. ``run_dir`` must be on a file system that the spawned process and the ranks on its
+host share, as it must be for checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .processes import ProcessInfo, still_running
+
+
+def heartbeat_file(run_dir: str | Path, host: str, pid: int) -> Path:
+    return Path(run_dir) / "heartbeats" / f"{host}.{pid}"
+
+
+def start_heartbeat(run_dir: str | Path, period_s: float) -> threading.Thread:
+    """Touch this process's heartbeat file every ``period_s`` from a daemon thread, starting now."""
+    path = heartbeat_file(run_dir, socket.gethostname(), os.getpid())
+
+    def beat() -> None:
+        while True:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.touch()
+            except OSError:
+                pass  # a full or missing disk: the monitors then see a stale file, as for a freeze
+            time.sleep(period_s)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    thread = threading.Thread(target=beat, name="spawned-heartbeat", daemon=True)
+    thread.start()
+    return thread
+
+
+class SpawnedMonitor:
+    """Finds the frozen spawned processes of this host and hands each one to ``on_frozen`` once.
+
+    ``processes()`` gives the grid's current processes. Only those with a heartbeat file, which
+    means spawned ones, and only those on this host are looked at. ``on_frozen(info, last_beat, age)``
+    is called from the monitor's thread.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        period_s: float,
+        timeout_s: float,
+        processes: Callable[[], list[ProcessInfo]],
+        on_frozen: Callable[[ProcessInfo, float, float], None],
+    ) -> None:
+        self.run_dir, self.period_s, self.timeout_s = Path(run_dir), period_s, timeout_s
+        self._processes, self._on_frozen = processes, on_frozen
+        self._host = socket.gethostname()
+        self._handled: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="spawned-monitor", daemon=True)
+
+    def start(self) -> SpawnedMonitor:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def check(self, now: float | None = None) -> list[ProcessInfo]:
+        """One look: the newly found frozen processes (each also passed to ``on_frozen``)."""
+        found = []
+        for info in list(self._processes()):
+            if info.host != self._host or info.pid in self._handled or info.pid == os.getpid():
+                continue
+            try:
+                last = heartbeat_file(self.run_dir, info.host, info.pid).stat().st_mtime
+            except OSError:
+                continue  # a process of the launch (ULFM watches it), or not started yet
+            age = (time.time() if now is None else now) - last
+            if age > self.timeout_s and still_running(info):
+                self._handled.add(info.pid)
+                found.append(info)
+                self._on_frozen(info, last, age)
+        return found
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.check()
+            except Exception as error:  # the monitor must outlive a bad look
+                print(f"[nanotron-recover] spawned-process monitor: {error}", file=sys.stderr, flush=True)

@@ -1,0 +1,96 @@
+"""Heartbeats of spawned processes: real child processes, really frozen with SIGSTOP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nanotron_recover.ft.liveness import SpawnedMonitor, heartbeat_file, start_heartbeat
+from nanotron_recover.ft.processes import ProcessInfo, reap
+
+HOST = socket.gethostname()
+
+
+def beating_child(run_dir: Path, period_s: float) -> subprocess.Popen:
+    """A process that beats like a spawned rank, then idles; started with a hard timeout."""
+    code = (
+        "import sys, time\n"
+        "from nanotron_recover.ft.liveness import start_heartbeat\n"
+        f"start_heartbeat({str(run_dir)!r}, {period_s})\n"
+        "print('beating', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline().strip() == "beating"
+    return child
+
+
+def info_of(child: subprocess.Popen, rank: int = 5) -> ProcessInfo:
+    return ProcessInfo(rank=rank, host=HOST, pid=child.pid, start_ticks=None)
+
+
+@pytest.fixture
+def child(tmp_path):
+    proc = beating_child(tmp_path, 0.05)
+    yield proc
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+def test_the_heartbeat_file_keeps_being_touched(tmp_path):
+    start_heartbeat(tmp_path, 0.05)
+    path = heartbeat_file(tmp_path, HOST, os.getpid())
+    first = path.stat().st_mtime
+    time.sleep(0.3)
+    assert path.stat().st_mtime > first
+
+
+def test_a_frozen_child_is_found_once_and_removed(tmp_path, child):
+    found: list[tuple[int, float]] = []
+    info = info_of(child)
+
+    def on_frozen(frozen: ProcessInfo, last_beat: float, age: float) -> None:
+        found.append((frozen.pid, age))
+        reap(frozen)
+
+    monitor = SpawnedMonitor(tmp_path, 0.05, 0.5, lambda: [info], on_frozen)
+    assert monitor.check() == [], "a beating process is alive"
+    os.kill(child.pid, signal.SIGSTOP)
+    frozen_at = time.time()
+    monitor.start()
+    child.wait(timeout=10)  # SIGKILLed by the monitor
+    monitor.stop()
+    assert child.returncode == -signal.SIGKILL
+    ((pid, age),) = found
+    assert pid == child.pid and age > 0.5
+    assert time.time() - frozen_at < 5
+
+
+def test_what_the_monitor_leaves_alone(tmp_path, child):
+    calls = []
+    beating = info_of(child, rank=1)
+    stale = tmp_path / "heartbeats"
+    # A launch rank (no heartbeat file), a process of another host, and a stale file whose process
+    # is gone: none of them is this monitor's business.
+    launch = ProcessInfo(rank=0, host=HOST, pid=os.getppid(), start_ticks=None)
+    elsewhere = ProcessInfo(rank=2, host=HOST + "-other", pid=child.pid, start_ticks=None)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=30)
+    dead = ProcessInfo(rank=3, host=HOST, pid=gone.pid, start_ticks=None)
+    (stale / f"{HOST}.{gone.pid}").touch()
+    os.utime(stale / f"{HOST}.{gone.pid}", (0, 0))
+    monitor = SpawnedMonitor(
+        tmp_path, 0.05, 0.5, lambda: [launch, elsewhere, dead, beating], lambda *found: calls.append(found)
+    )
+    assert monitor.check(now=time.time()) == [] and calls == []
+    # The same beating process seen from far in the future is frozen.
+    assert monitor.check(now=time.time() + 60) == [beating]
+    assert [c[0] for c in calls] == [beating] and calls[0][2] > 59
+    assert monitor.check(now=time.time() + 60) == [], "each process is handed over once"
