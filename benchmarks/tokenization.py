@@ -14,7 +14,7 @@ median. Tokens per second are the output's tokens (eos included) over that time.
   at once, each in its own process when W > 1.
 * old: ``nanotron-recover preprocess --dataset json --data-files A B --workers W`` of the commit
   before datatrove replaced it (``--old-src``: the ``src`` folder of a checkout of that commit, e.g.
-  ``git worktree add /tmp/old 252de8d`` then ``--old-src /tmp/old/src``): a ``datasets`` stream
+  ``git worktree add ../old-preprocess 252de8d`` then ``--old-src ../old-preprocess/src``): a ``datasets`` stream
   tokenized by W spawned worker processes into ``tokens.bin``.
 
 * new, 1 thread: the same with ``TOKENIZERS_PARALLELISM=false``. datatrove encodes a batch with
@@ -27,7 +27,7 @@ every configuration, then trial 2, ...) so that a busy machine slows all of them
 
 Writes ``benchmarks/results/tokenization.json`` and ``tokenization.md``.
 
-    python benchmarks/tokenization.py --old-src /tmp/old-src-wt/src [--repeat 30] [--trials 3]
+    python benchmarks/tokenization.py --old-src ../old-preprocess/src [--repeat 30] [--trials 3]
 """
 
 from __future__ import annotations

@@ -44,18 +44,17 @@ def heartbeat_file(run_dir: str | Path, host: str, pid: int) -> Path:
 def start_heartbeat(run_dir: str | Path, period_s: float) -> threading.Thread:
     """Touch this process's heartbeat file every ``period_s`` from a daemon thread, starting now."""
     path = heartbeat_file(run_dir, socket.gethostname(), os.getpid())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()  # exists before this returns: a monitor may look at once
 
     def beat() -> None:
         while True:
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
                 path.touch()
             except OSError:
                 pass  # a full or missing disk: the monitors then see a stale file, as for a freeze
             time.sleep(period_s)
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.touch()
     thread = threading.Thread(target=beat, name="spawned-heartbeat", daemon=True)
     thread.start()
     return thread

@@ -244,17 +244,8 @@ class ForwardRecovery:
         message = (
             f"spawned rank {info.rank} (pid {info.pid} on {info.host}) sent no heartbeat for {age:.1f} s"
         )
-        record = {
-            "rank": info.rank,
-            "replica": self.ftc.topology.replica_of(info.rank),
-            "step": self.step,
-            "phase": self.phase,  # where this rank was when it found the freeze
-            "kind": "hang",
-            "pid": info.pid,
-            "time": last_beat,
-            "message": message,
-        }
-        write_record(self.run_dir, f"step{self.step}_hang_rank{info.rank}", record)
+        # Its phase is this rank's when it found the freeze; its time, the last heartbeat.
+        self._record("hang", rank=info.rank, pid=info.pid, time=last_beat, message=message)
         print(f"[nanotron-recover] {message}: removing it", file=sys.stderr, flush=True)
         reap(info)
 
@@ -331,11 +322,16 @@ class ForwardRecovery:
         return next((e for e in errors if e is not None), None)
 
     # -- leaving -------------------------------------------------------------------------------
-    def _record(self, kind: str, **extra: Any) -> None:
-        record = {"rank": self.ftc.rank, "replica": self.ftc.replica, "step": self.step, "phase": self.phase}
-        write_record(
-            self.run_dir, f"step{self.step}_{kind}_rank{self.ftc.rank}", {**record, **extra, "kind": kind}
-        )
+    def _record(self, kind: str, rank: int | None = None, **extra: Any) -> None:
+        """This rank's failure record, or (``rank``) the one a frozen process cannot write itself."""
+        rank = self.ftc.rank if rank is None else rank
+        record = {
+            "rank": rank,
+            "replica": self.ftc.topology.replica_of(rank),
+            "step": self.step,
+            "phase": self.phase,
+        }
+        write_record(self.run_dir, f"step{self.step}_{kind}_rank{rank}", {**record, **extra, "kind": kind})
 
     def _leave(self, kind: str, reason: str, **extra: Any) -> None:
         """This replica is lost (or stuck): record why, then fail-stop so the others recover."""
