@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+from .failures import STOP_ORDER, Kind
+
 
 class ExitCode(IntEnum):
     """Exit statuses of ``train`` and ``launch`` (also recorded in ``<run_dir>/outcome.json``)."""
@@ -32,25 +34,26 @@ class InputError(ValueError):
     """Bad user input; the message says what is wrong and what to change."""
 
 
-# The kinds a StopRun can have, with their exit status. The names double as incident kinds.
-STOP_KINDS: dict[str, ExitCode] = {
-    "input": ExitCode.INPUT,
-    "too_few_replicas": ExitCode.TOO_FEW_REPLICAS,
-    "deterministic": ExitCode.DETERMINISTIC,
-    "io": ExitCode.IO,
+# The exit status of each kind a StopRun can have (``failures.STOP_ORDER``).
+STOP_EXIT_CODES: dict[Kind, ExitCode] = {
+    Kind.INPUT: ExitCode.INPUT,
+    Kind.TOO_FEW_REPLICAS: ExitCode.TOO_FEW_REPLICAS,
+    Kind.DETERMINISTIC: ExitCode.DETERMINISTIC,
+    Kind.IO: ExitCode.IO,
 }
+assert set(STOP_EXIT_CODES) == set(STOP_ORDER)
 
 
 class StopRun(RuntimeError):
     """Stop the whole job once, with one line naming the cause and a non-zero status."""
 
-    def __init__(self, kind: str, message: str):
-        if kind not in STOP_KINDS:
+    def __init__(self, kind: Kind | str, message: str):
+        if kind not in STOP_EXIT_CODES:
             raise ValueError(f"unknown stop kind {kind!r}")
         super().__init__(message)
-        self.kind = kind
+        self.kind = Kind(kind)
         self.message = message
 
     @property
     def exit_code(self) -> ExitCode:
-        return STOP_KINDS[self.kind]
+        return STOP_EXIT_CODES[self.kind]

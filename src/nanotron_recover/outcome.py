@@ -7,7 +7,7 @@ clears before it starts) means the run died without a word: a failure.
 
 Keys: ``status`` (``completed`` | ``stopped``), ``last_step`` (last committed step),
 ``target_step`` (the step the run was asked to reach), ``kind`` (null, or a
-:data:`~.errors.STOP_KINDS` name), ``message`` (one line), ``exit_code``, ``time``.
+:data:`~.failures.STOP_ORDER` name), ``message`` (one line), ``exit_code``, ``time``.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from .data.stages import DataStages
 from .data_parallel import DataParallelMode, JoinedState, Parked, ReplicaParts
 from .engines import ModelEngine, build_model_engine
 from .errors import ExitCode, InputError, StopRun
+from .failures import Kind, Phase
 from .logging import MetricsWriter, ids_digest
 from .logging.benchmark import append_row, benchmark_row
 from .logging.profiler import StepProfiler
@@ -78,7 +79,7 @@ class DistributedTrainer:
     def __init__(self, cfg: Config, run_dir: str | Path, dp_mode: DataParallelMode):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.dp_mode = dp_mode
-        self.world, self.ctx = self.dp_mode.setup_world()
+        self.world, self.ctx, joined = self.dp_mode.setup_world()
         if self.world.device.type == "cpu":
             set_cpu_threads()
         self.B = cfg.microbatches_per_step
@@ -93,7 +94,6 @@ class DistributedTrainer:
         # may show on some ranks only: every rank learns the first error and stops the same way,
         # instead of the others waiting for the failed ones in their first collective.
         error = None
-        joined = self.dp_mode.joined_state()
         if joined is not None:
             # Spawned into a running job (re-join): the state comes from a healthy replica, and the
             # job's start-up checks are long past.
@@ -150,6 +150,7 @@ class DistributedTrainer:
                 ctx=self.ctx,
                 B=self.B,
                 G=self.G,
+                target_step=lambda: self.target_step,
             )
         )
 
@@ -189,9 +190,9 @@ class DistributedTrainer:
         if not self.dp_mode.is_checkpoint_writer():
             return None
         self.dp_mode.check_member()
-        with self.dp_mode.local_phase("save"):
+        with self.dp_mode.local_phase(Phase.SAVE):
             self.wait_for_save()
-            self.dp_mode.fault_point("save")
+            self.dp_mode.fault_point(Phase.SAVE)
             r, ck = self.cfg.recover, self.cfg.checkpoints
             asynchronous = not synchronous and (
                 ck.async_save or (r.enabled and r.mode == "checkpoint_restart")
@@ -216,7 +217,7 @@ class DistributedTrainer:
         try:
             self.save(step, synchronous=synchronous)
         except CheckpointError as e:
-            self.dp_mode.request_stop(StopRun("io", " ".join(str(e).split())))
+            self.dp_mode.request_stop(StopRun(Kind.IO, " ".join(str(e).split())))
 
     def _poll_save(self) -> None:
         """An asynchronous save that failed in the background stops the job too."""
@@ -226,7 +227,7 @@ class DistributedTrainer:
             try:
                 pending.wait()
             except CheckpointError as e:
-                self.dp_mode.request_stop(StopRun("io", " ".join(str(e).split())))
+                self.dp_mode.request_stop(StopRun(Kind.IO, " ".join(str(e).split())))
 
     def _resave_final(self, step: int) -> None:
         """The replica that wrote the final checkpoint failed before the end: write it again."""
@@ -248,8 +249,8 @@ class DistributedTrainer:
     def train_step(self, step: int) -> StepResult:
         t0 = time.perf_counter()
         reduced = self.dp_mode.reduced_gradients(step)
-        self.dp_mode.before_optimizer()
-        with self.dp_mode.local_phase("optimizer"):
+        self.dp_mode.fault_point(Phase.OPTIMIZER)
+        with self.dp_mode.local_phase(Phase.OPTIMIZER):
             # 0-based rate index, counted from the schedule's origin (0 unless restarted on resume).
             k = step - 1 - self.cfg.lr_schedule_origin
             lr = lr_at(k, self.cfg.optimizer.learning_rate_scheduler, self.cfg.tokens.train_steps)
@@ -273,7 +274,6 @@ class DistributedTrainer:
         last = t.train_steps if stop_after_step is None else min(stop_after_step, t.train_steps)
         self.target_step = last
         final_save = ck.save_final_state or stop_after_step is not None
-        self.dp_mode.set_target(last)
         profiler = StepProfiler.for_run(
             self.cfg.profiler,
             self.run_dir.name,
@@ -295,13 +295,13 @@ class DistributedTrainer:
                         self._save_or_stop(step)
                     self._poll_save()
                     self.dp_mode.after_step(step)
-                except Parked:
+                except Parked as parked:
                     # My replica failed, I did not: wait for it to re-join, then go on from the
                     # state a healthy replica sends (or the run ends while parked: park exits).
                     self._pending_save = None
                     self._stop_reporting()  # a later logging role starts from the file, not from here
                     try:
-                        step = self._adopt(self.dp_mode.park()) + 1
+                        step = self._adopt(parked.wait_for_rejoin()) + 1
                         self._attach()
                     except Exception as error:
                         self.dp_mode.abort(error)
@@ -313,7 +313,7 @@ class DistributedTrainer:
             try:
                 self.wait_for_save()
             except CheckpointError as e:
-                self.dp_mode.request_stop(StopRun("io", " ".join(str(e).split())))
+                self.dp_mode.request_stop(StopRun(Kind.IO, " ".join(str(e).split())))
             self.write_parameter_digest()
             self.dp_mode.finish(last, resave=self._resave_final if final_save else None)
             if self.cfg.general.benchmark_csv_path is not None and self.dp_mode.is_logger():

@@ -19,7 +19,7 @@ def build_data_parallel(cfg: Config, run_dir: Path) -> DataParallelMode:
             from ..ft.heartbeat import start_mpi
 
             start_mpi(cfg.recover.heartbeat_period_s, cfg.recover.heartbeat_timeout_s)
-        from ..recovery.transaction import ForwardRecovery
+        from .forward import ForwardRecovery
 
         return ForwardRecovery(cfg, run_dir)
     return PlainDataParallel(cfg, run_dir)

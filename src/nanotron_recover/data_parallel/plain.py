@@ -19,13 +19,11 @@ import torch.distributed as dist
 
 from ..config import Config, check_world_size
 from ..errors import StopRun
+from ..failures import Phase, stop_of_rank, stop_rank
 from ..ft.faults import FaultInjector
 from ..parallel.context import ParallelContext
 from ..parallel.world import World, init_world
-from .protocol import JoinedState, ReducedStep, ReplicaParts
-
-# Stop kinds as codes for the plain mode's all-reduce (MAX: the most specific cause wins).
-_STOP_CODES = {kind: i + 1 for i, kind in enumerate(("too_few_replicas", "input", "io", "deterministic"))}
+from .protocol import ReducedStep, ReplicaParts
 
 
 class PlainDataParallel:
@@ -41,11 +39,11 @@ class PlainDataParallel:
         self.injector: FaultInjector | None = None
         self.pending_stop: StopRun | None = None
 
-    def setup_world(self) -> tuple[World, ParallelContext]:
+    def setup_world(self) -> tuple[World, ParallelContext, None]:
         world = init_world()
         check_world_size(self.cfg, world.size)
         p = self.cfg.parallelism
-        return world, ParallelContext.create(p.inner, p.pp, p.dp, world.device)
+        return world, ParallelContext.create(p.inner, p.pp, p.dp, world.device), None  # nothing joins
 
     def attach(self, parts: ReplicaParts) -> None:
         self.parts = parts
@@ -68,7 +66,7 @@ class PlainDataParallel:
         source = t.data(step)
         losses = t.engine.train_batch([source.get(i) for i in ids], loss_scale=1.0 / t.B)
         if self.injector is not None:
-            self.injector.maybe_fail("reduce", 0)
+            self.injector.maybe_fail(Phase.REDUCE, 0)
         if ctx.dp > 1:
             dist.all_reduce(t.engine.grads_flat, group=ctx.dp_group)
         # The loss lives on the last stage (its tp ranks hold the same value: count tp rank 0). Each
@@ -93,10 +91,6 @@ class PlainDataParallel:
         dist.all_gather(parts, mine, group=ctx.dp_group)
         return torch.cat(parts).tolist()
 
-    def before_optimizer(self) -> None:
-        if self.injector is not None:
-            self.injector.maybe_fail("optimizer", 0)
-
     def agree_startup(self, error: str | None) -> str | None:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return error
@@ -113,12 +107,12 @@ class PlainDataParallel:
 
     def _agree_stop(self) -> None:
         """Every rank stops together if any rank asked to (one scalar all-reduce)."""
-        mine = _STOP_CODES[self.pending_stop.kind] if self.pending_stop is not None else 0
+        mine = stop_rank(self.pending_stop.kind if self.pending_stop is not None else None)
         code = torch.tensor([mine], dtype=torch.int64, device=self.parts.world.device)
         if self.parts.world.size > 1:
-            dist.all_reduce(code, op=dist.ReduceOp.MAX)
-        if code.item():
-            kind = next(k for k, c in _STOP_CODES.items() if c == code.item())
+            dist.all_reduce(code, op=dist.ReduceOp.MAX)  # the first kind of STOP_ORDER wins
+        kind = stop_of_rank(int(code.item()))
+        if kind is not None:
             if self.pending_stop is not None and self.pending_stop.kind == kind:
                 raise self.pending_stop
             raise StopRun(kind, f"stop requested by another rank ({kind})")
@@ -130,15 +124,6 @@ class PlainDataParallel:
     def fault_point(self, phase: str) -> None:
         if self.injector is not None:
             self.injector.maybe_fail(phase, 0)
-
-    def set_target(self, last_step: int) -> None:
-        pass
-
-    def joined_state(self) -> None:
-        return None  # one torch world: nothing joins a running job
-
-    def park(self) -> JoinedState:
-        raise RuntimeError("the plain data-parallel mode never parks a rank")
 
     def finish(self, last_step: int, resave: Callable[[int], Any] | None = None) -> None:
         self._agree_stop()

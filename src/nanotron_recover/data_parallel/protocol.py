@@ -6,19 +6,19 @@ is a :class:`DataParallelMode`, built by the command line from the config and ha
 
 - :class:`~.plain.PlainDataParallel`: one torch world; a torch.distributed all-reduce. The
   fault-free reference (and the checkpoint-restart baseline's mode).
-- :class:`~nanotron_recover.recovery.transaction.ForwardRecovery`: each replica its own torch world,
-  the sum over the ULFM communicator in snapshotted buckets, a step as a transaction that survives
-  failures.
+- :class:`~nanotron_recover.data_parallel.forward.ForwardRecovery`: each replica its own torch
+  world, the sum over the ULFM communicator in snapshotted buckets, a step as a transaction that
+  survives failures.
 
 A mode sees the rest of the system only through :class:`ReplicaParts`: the model engine, the data,
-a checkpoint callback and a reporter. Neither mode imports the trainer.
+a checkpoint callback and a reporter. Neither mode imports the trainer. The protocol holds only what
+both modes answer; forward recovery's own turns reach the loop as data:
 
-Re-join (forward recovery with ``recover.rejoin``) adds two turns to the loop. A rank whose replica
-fails while the rank itself is healthy raises :class:`Parked` out of the step; the trainer hands it
-back to the mode's ``park``, which returns once the replica re-joins with a :class:`JoinedState`
-(the committed step, the state received from a healthy replica, the replica's new torch world),
-and the trainer rebuilds its engine from it. A process spawned by a re-join starts the same way:
-``joined_state()`` gives its state instead of a checkpoint.
+- ``setup_world()`` returns, beside the world, a :class:`JoinedState` for a process spawned into a
+  running job by a re-join (the state a healthy replica sent, instead of a checkpoint), else None.
+- A rank whose replica fails while the rank itself is healthy (re-join) raises :class:`Parked` out
+  of the step; ``parked.wait_for_rejoin()`` returns once the replica re-joins (the committed step,
+  a healthy replica's state, the replica's new torch world), and the trainer rebuilds its engine.
 """
 
 from __future__ import annotations
@@ -60,7 +60,10 @@ class Parked(BaseException):
     """This rank's replica failed, the rank did not: it is kept (parked) for a re-join.
 
     A ``BaseException``: it is control flow out of the step, which no ``except Exception`` on the
-    way (a failed micro-batch, a failed save) may mistake for an error of its own."""
+    way (a failed micro-batch, a failed save) may mistake for an error of its own. The mode that
+    raised it sets ``wait_for_rejoin``: it blocks until the replica is back (or the run ends: exit)."""
+
+    wait_for_rejoin: Callable[[], JoinedState]
 
 
 @dataclass
@@ -77,17 +80,21 @@ class ReplicaParts:
     ctx: ParallelContext
     B: int  # micro-batches per step
     G: int  # micro-batches per replica per step, at full width
+    target_step: Callable[[], int]  # the last step this run trains (re-joins stop before it)
 
 
 class DataParallelMode(Protocol):
-    def setup_world(self) -> tuple[World, ParallelContext]: ...
+    def setup_world(self) -> tuple[World, ParallelContext, JoinedState | None]:
+        """This rank's torch world, and the state to start from if it joins a running job."""
+
     def attach(self, parts: ReplicaParts) -> None: ...
     def agree_startup(self, error: str | None) -> str | None:
         """Every rank learns the first start-up error of any rank (or None)."""
 
     def reduced_gradients(self, step: int) -> ReducedStep: ...
-    def before_optimizer(self) -> None: ...
-    def fault_point(self, phase: str) -> None: ...
+    def fault_point(self, phase: str) -> None:
+        """A point where an injected fault may fire (``failures.Phase``: optimizer, save)."""
+
     def after_step(self, step: int) -> None: ...
     def local_phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         """A phase only this replica takes part in (under the watchdog in recover mode)."""
@@ -97,15 +104,6 @@ class DataParallelMode(Protocol):
 
     def check_member(self) -> None:
         """Before writing shared files: this rank is still a member of the job."""
-
-    def set_target(self, last_step: int) -> None:
-        """The last step this run trains (re-joins stop before it)."""
-
-    def joined_state(self) -> JoinedState | None:
-        """For a process spawned into a running job: where it starts (None otherwise)."""
-
-    def park(self) -> JoinedState:
-        """After :class:`Parked`: wait until this rank's replica re-joins (or the run ends: exit)."""
 
     def finish(self, last_step: int, resave: Callable[[int], Any] | None = None) -> None: ...
     def is_logger(self) -> bool: ...

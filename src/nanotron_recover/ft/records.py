@@ -11,10 +11,8 @@ deterministic error is told from a transient one (see ``recovery/transaction.py`
 A rank killed from outside leaves no record; the survivors then classify the failure themselves
 (``crash`` or ``hang``, see ``ft/processes.py``).
 
-Kinds: ``crash`` (the process is gone), ``hang`` (frozen or past a deadline), ``peer_error`` (a
-gloo/NCCL error inside the replica), ``oom``, ``io``, ``error`` (an exception not yet known to be
-deterministic), ``deterministic`` (the same exception again on the same micro-batch ids in another
-replica). Records need ``run_dir`` on a filesystem that every node sees, as checkpoints do.
+Kinds: :data:`~nanotron_recover.failures.RECORD_KINDS` (``failures.py`` says what each means).
+Records need ``run_dir`` on a filesystem that every node sees, as checkpoints do.
 """
 
 from __future__ import annotations
@@ -25,9 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-KINDS = ("crash", "hang", "peer_error", "oom", "io", "error", "deterministic")
-# Kinds that stop the job instead of being repaired forward: redoing the work elsewhere cannot help.
-STOP_KINDS = ("io", "deterministic")
+from ..failures import RECORD_KINDS
 
 
 def faults_dir(run_dir: str | Path) -> Path:
@@ -36,7 +32,7 @@ def faults_dir(run_dir: str | Path) -> Path:
 
 def write_record(run_dir: str | Path, name: str, record: dict[str, Any]) -> None:
     """Write ``faults/<name>.json`` atomically; best effort (a full disk must not keep a rank alive)."""
-    if record.get("kind") not in KINDS:
+    if record.get("kind") not in RECORD_KINDS:
         raise ValueError(f"unknown failure kind {record.get('kind')!r}")
     record = {"time": time.time(), "pid": os.getpid(), **record}
     path = faults_dir(run_dir) / f"{name}.json"

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..engines.state import EngineState
+from ...engines.state import EngineState
 
 
 @dataclass

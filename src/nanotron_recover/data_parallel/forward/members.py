@@ -1,0 +1,162 @@
+"""Who this rank is in the job, and how it leaves it.
+
+- **Roles.** The longest-serving replica writes checkpoints; its local rank 0 logs. A replica that
+  re-joins never takes the roles over mid-run.
+- **Leaving.** A rank that must leave (its replica failed, its watchdog fired, an exception while
+  computing) writes a failure record (``ft/records.py``) and then SIGKILLs itself
+  (``ft/failstop.py``): an exit with a non-zero status would not be reported to the survivors.
+- **Failure notices.** The failure watch thread tells a rank computing outside MPI that a peer of
+  its replica failed: without re-join it leaves at once; with re-join it is kept, and parks from
+  the main thread, or leaves after a grace when it is stuck on a frozen peer.
+- **Fences.** A process removed while frozen may wake up later: the logging rank marks it
+  (``<run_dir>/fence/<host>-<pid>``) and :meth:`Members.check_member` keeps it from writing
+  shared files.
+- **Spawned processes' liveness.** ULFM's heartbeat does not watch processes spawned by a re-join;
+  each rank watches the heartbeat files of those on its host (``ft/liveness.py``), and for a frozen
+  one writes the record it cannot write and SIGKILLs it.
+- **The rank table** ``<run_dir>/ranks.json``: host and pid of every rank, for operators and tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any, NoReturn
+
+from ...failures import Kind
+from ...ft.failstop import fail_stop
+from ...ft.liveness import SpawnedMonitor
+from ...ft.processes import ProcessInfo, reap
+from ...ft.records import write_record
+from ...ft.world import RecoveryResult
+from .rank_state import RankState
+
+
+class Members:
+    def __init__(self, state: RankState):
+        self.s = state
+
+    # -- roles -------------------------------------------------------------------------------
+    def is_checkpoint_writer(self) -> bool:
+        ftc = self.s.ftc
+        return not ftc.parked and ftc.replica == ftc.senior_replica
+
+    def is_logger(self) -> bool:
+        return self.is_checkpoint_writer() and self.s.ftc.local_rank == 0
+
+    # -- leaving -----------------------------------------------------------------------------
+    def record(self, kind: Kind, rank: int | None = None, **extra: Any) -> None:
+        """This rank's failure record, or (``rank``) the one a frozen process cannot write itself."""
+        s = self.s
+        if s.ftc is None:
+            return  # not yet in the job (a spawned process whose join failed): nobody reads it
+        rank = s.ftc.rank if rank is None else rank
+        record = {"rank": rank, "replica": s.ftc.topology.replica_of(rank), "step": s.step, "phase": s.phase}
+        write_record(s.run_dir, f"step{s.step}_{kind}_rank{rank}", {**record, **extra, "kind": kind})
+
+    def leave(self, kind: Kind, reason: str, **extra: Any) -> NoReturn:
+        """This replica is lost (or stuck): record why, then fail-stop so the others recover."""
+        self.record(kind, message=reason, **extra)
+        # The full reason is in the record (and, for a stop, in the outcome): one short line here.
+        ftc = self.s.ftc
+        who = "a spawned process" if ftc is None else f"rank {ftc.rank} (replica {ftc.replica})"
+        fail_stop(f"{who} leaves: {kind} during {self.s.phase}")
+
+    def on_leave(self, result: RecoveryResult) -> None:
+        """The communicator's callback before a rank of a failed replica leaves."""
+        ftc = self.s.ftc
+        print(
+            f"[nanotron-recover] rank {ftc.rank} leaves: replica {ftc.replica} failed "
+            f"(epoch {result.old_epoch} -> {result.new_epoch})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def on_watchdog_expire(self, reason: str) -> None:
+        self.record(Kind.HANG, message=reason)
+
+    def on_failure_notice(self, ranks: list[int], when: float) -> None:
+        """Watch thread: a member of my replica failed while I was outside MPI: my replica is lost."""
+        s = self.s
+        lost = sorted(s.my_replica_ranks.intersection(ranks))
+        if not lost or s.joining or s.ftc.in_ft_operation or s.ftc.parked:
+            return
+        why = f"replica peer rank(s) {lost} failed during {s.phase}"
+        if not s.rejoin_on:
+            self.leave(Kind.PEER_ERROR, why)
+        # Re-join keeps this rank: its torch world reports a crashed peer at once and the main
+        # thread parks. One stuck on a frozen peer never returns from torch: it leaves after a grace.
+        timer = threading.Timer(s.park_grace_s, self._leave_unless_parked, args=(why, s.ftc.epoch))
+        timer.daemon = True
+        timer.start()
+
+    def _leave_unless_parked(self, why: str, epoch: int) -> None:
+        # The survivors cannot shrink past this (alive) rank: while it has not parked, the epoch
+        # stays where it was. A changed epoch means it parked (and perhaps re-joined) meanwhile.
+        s = self.s
+        if s.ftc.epoch == epoch and not (s.parking or s.ftc.parked or s.ftc.in_ft_operation):
+            self.leave(Kind.PEER_ERROR, why + f"; not parked within {s.park_grace_s:.0f} s")
+
+    # -- fences ------------------------------------------------------------------------------
+    def _fence_path(self, info: ProcessInfo) -> Path:
+        # Per process, not per rank: after a re-join the rank belongs to a new process.
+        return self.s.run_dir / "fence" / f"{info.host}-{info.pid}"
+
+    def check_member(self) -> None:
+        """Before writing shared files: a rank removed from the job (frozen, then woken up) must not."""
+        ftc = self.s.ftc
+        if self._fence_path(ftc.processes[ftc.rank]).exists():
+            fail_stop(f"rank {ftc.rank} was removed from the job; not writing")
+
+    def fence(self, failed_ranks: tuple[int, ...]) -> None:
+        """Mark removed processes so that one that wakes up later writes nothing (see check_member)."""
+        if not self.is_logger():
+            return
+        for r in failed_ranks:
+            try:
+                (self.s.run_dir / "fence").mkdir(exist_ok=True)
+                self._fence_path(self.s.ftc.processes[r]).touch()
+            except OSError:
+                pass
+
+    # -- spawned processes ---------------------------------------------------------------------
+    def watch_spawned_processes(self) -> None:
+        """With re-join, look after the spawned processes of this host, which ULFM's heartbeat
+        detector does not watch (see ``ft/liveness.py``)."""
+        s = self.s
+        if s.rejoin_on:
+            SpawnedMonitor(
+                s.run_dir,
+                s.args.heartbeat_period_s,
+                s.args.heartbeat_timeout_s,
+                lambda: s.ftc.processes,
+                self._on_frozen_spawned,
+            ).start()
+
+    def _on_frozen_spawned(self, info: ProcessInfo, last_beat: float, age: float) -> None:
+        """Monitor thread: a spawned process of this host is frozen. Write the record it cannot
+        write (a hang, at its last heartbeat), then SIGKILL it: the runtime reports the death to
+        every rank, and the recovery that follows logs the incident from the record."""
+        message = (
+            f"spawned rank {info.rank} (pid {info.pid} on {info.host}) sent no heartbeat for {age:.1f} s"
+        )
+        # Its phase is this rank's when it found the freeze; its time, the last heartbeat.
+        self.record(Kind.HANG, rank=info.rank, pid=info.pid, time=last_beat, message=message)
+        print(f"[nanotron-recover] {message}: removing it", file=sys.stderr, flush=True)
+        reap(info)
+
+    def write_rank_table(self) -> None:
+        """``<run_dir>/ranks.json``: host and pid of every rank, for operators (and tests); rewritten
+        (atomically) when a re-join puts new processes in the grid."""
+        ftc = self.s.ftc
+        table = [{**info.as_dict(), "replica": ftc.topology.replica_of(info.rank)} for info in ftc.processes]
+        path = self.s.run_dir / "ranks.json"
+        try:
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(table, indent=1) + "\n")
+            os.replace(tmp, path)
+        except OSError:
+            pass

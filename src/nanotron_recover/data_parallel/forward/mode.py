@@ -1,0 +1,209 @@
+"""ForwardRecovery: the fault-tolerant data-parallel mode, built from small parts.
+
+Each replica (``tp*pp`` ranks) is its own torch world; across replicas there is only the ULFM
+communicator (``ft/comm.py``). The mode builds its parts around one per-rank state
+(``rank_state.py``) and answers the trainer's few questions (``data_parallel/protocol.py``):
+
+====================  ==========================================================================
+part                  job
+====================  ==========================================================================
+``members.py``        roles, leaving (record + SIGKILL), failure notices, fences, spawned
+                      processes' liveness, the rank table
+``incidents.py``      the kind and cost of each recovery; incidents.jsonl and W&B
+``stops.py``          stop requests and agreed stops, the verdict after a failure, the exit
+``rejoin.py``         parking, following, the join point, a spawned process's start
+``step.py``           the step transaction: plan, compute, gate, reduce, agree, repair, commit
+``buckets.py``        snapshotted, epoch-tagged bucketed reduction (``streams.py``: CUDA restores)
+``state_transfer.py`` a re-joining replica's state from a healthy one
+====================  ==========================================================================
+
+Each part imports only the ones above it in this table's reverse order (members < incidents <
+stops < rejoin < step < mode). A part that must end the job raises
+:class:`~.stops.StopJob`; this module is the only place where it becomes an exit, and where a
+:class:`~nanotron_recover.data_parallel.protocol.Parked` gets its way back (``wait_for_rejoin``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ...config import Config, check_world_size
+from ...errors import StopRun
+from ...failures import Phase, classify
+from ...ft.failstop import Watchdog
+from ...ft.faults import FaultInjector
+from ...ft.replica_world import init_replica_world
+from ...ft.world import AllReplicasFailed, WorldChanged
+from ...parallel.context import ParallelContext
+from ...parallel.world import World
+from ..protocol import JoinedState, Parked, ReducedStep, ReplicaParts
+from .incidents import Incidents
+from .members import Members
+from .rank_state import RankState
+from .rejoin import Rejoin
+from .step import StepTransaction
+from .stops import StopJob, Stops
+
+T = TypeVar("T")
+
+
+def _ends_here(method: Callable[..., T]) -> Callable[..., T]:
+    """A stop raised by a part becomes the exit here; a parked rank gets its way back."""
+
+    @functools.wraps(method)
+    def run(self: ForwardRecovery, *args: Any, **kwargs: Any) -> T:
+        try:
+            return method(self, *args, **kwargs)
+        except StopJob as job:
+            self.stops.exit(job)
+        except Parked as parked:
+            parked.wait_for_rejoin = self._wait_for_rejoin
+            raise
+
+    return run
+
+
+class ForwardRecovery:
+    def __init__(self, cfg: Config, run_dir: Path):
+        self.s = s = RankState(cfg=cfg, run_dir=Path(run_dir), watchdog=None)  # type: ignore[arg-type]
+        self.members = Members(s)
+        s.watchdog = Watchdog(on_expire=self.members.on_watchdog_expire)
+        self.incidents = Incidents(s, self.members)
+        self.stops = Stops(s, self.members, self.incidents)
+        self.rejoin = Rejoin(s, self.members, self.incidents, self.stops)
+        self.steps = StepTransaction(s, self.members, self.incidents, self.stops, self.rejoin)
+
+    # -- set-up ----------------------------------------------------------------------------
+    def setup_world(self) -> tuple[World, ParallelContext, JoinedState | None]:
+        from mpi4py import MPI
+
+        from ...ft.comm import FaultTolerantComm  # MPI only here: the parts need none at import
+
+        s, p = self.s, self.s.cfg.parallelism
+        callbacks: dict[str, Any] = {
+            "on_leave": self.members.on_leave,
+            "on_failure_notice": self.members.on_failure_notice,
+            "park_orphans": s.rejoin_on,
+        }
+        if MPI.Comm.Get_parent() != MPI.COMM_NULL:
+            try:
+                joined = self.rejoin.start_spawned(callbacks)
+            except BaseException as error:
+                # An exception exit would not be reported to the job, which would wait for this process.
+                self.abort(error)
+                raise
+            self.members.watch_spawned_processes()
+            return joined.world, joined.ctx, joined
+        check_world_size(s.cfg, MPI.COMM_WORLD.Get_size())
+        # A replica is p.inner x p.pp ranks: tp ranks (3D) or shard ranks (HSDP) along the inside.
+        s.ftc = FaultTolerantComm(p.inner, p.pp, p.dp, **callbacks)
+        s.my_replica_ranks = s.replica_ranks()
+        world = init_replica_world(s.ftc)
+        ctx = ParallelContext.create(p.inner, p.pp, 1, world.device)
+        s.injector = FaultInjector(s.args, s.ftc.rank, s.ftc.replica, s.run_dir)
+        if s.ftc.rank == 0:
+            self.members.write_rank_table()
+        self.members.watch_spawned_processes()
+        return world, ctx, None
+
+    def attach(self, parts: ReplicaParts) -> None:
+        self.s.parts = parts
+        self.steps.attach()
+
+    def agree_startup(self, error: str | None) -> str | None:
+        """Every rank's start-up went well, or every rank gets the first error (lowest rank)."""
+        errors = self.s.ftc.global_comm.allgather(error)
+        return next((e for e in errors if e is not None), None)
+
+    # -- the loop's questions --------------------------------------------------------------
+    @_ends_here
+    def reduced_gradients(self, step: int) -> ReducedStep:
+        return self.steps.run(step)
+
+    def fault_point(self, phase: str) -> None:
+        self.s.injector.maybe_fail(phase, 0)
+
+    @_ends_here
+    def after_step(self, step: int) -> None:
+        self.s.last_step = step
+        if self.s.rejoin_on:
+            self.rejoin.join_point(step)
+
+    @contextlib.contextmanager
+    def local_phase(self, name: str) -> Iterator[None]:
+        try:
+            with self.steps.local_phase(name):
+                yield
+        except StopJob as job:
+            self.stops.exit(job)
+        except Parked as parked:
+            parked.wait_for_rejoin = self._wait_for_rejoin
+            raise
+
+    @_ends_here
+    def _wait_for_rejoin(self) -> JoinedState:
+        return self.rejoin.wait()
+
+    def request_stop(self, stop: StopRun) -> None:
+        self.stops.request(stop)
+
+    def check_member(self) -> None:
+        self.members.check_member()
+
+    def is_logger(self) -> bool:
+        return self.members.is_logger()
+
+    def is_checkpoint_writer(self) -> bool:
+        return self.members.is_checkpoint_writer()
+
+    def replica_id(self) -> int:
+        return self.s.ftc.replica
+
+    # -- the end -----------------------------------------------------------------------------
+    @_ends_here
+    def finish(self, last_step: int, resave: Callable[[int], Any] | None = None) -> None:
+        """End of training: one more agree, so that a stop requested after the last step (its save
+        failed) or a failure during the final save is seen by everyone; then the outcome.
+
+        ``resave(step)``, if given, saves ``last_step`` again on the new checkpoint writer when a
+        failure struck during this last agree (the replica that was saving may be the one lost)."""
+        s = self.s
+        s.last_step = s.step = last_step
+        while True:
+            try:
+                s.phase = Phase.FINISH
+                _, stop = s.ftc.agree(True, stop=self.stops.bits(), kind="finish")
+                break
+            except WorldChanged as changed:
+                result = changed.result
+                self.rejoin.note_failure(last_step, result)
+                if result.parked:
+                    self.rejoin.follow()  # never returns: the end (or a stop) comes through the agrees
+                s.last_failure_view = (result.detected_at - result.detect_s, result.detected_at)
+                incident, records = self.incidents.of_recovery(last_step, result)
+                self.members.fence(result.failed_ranks)
+                self.incidents.write([incident])
+                self.stops.after_failure(last_step, records, [], check_width=False)
+                if resave is not None and self.members.is_checkpoint_writer():
+                    resave(last_step)
+            except AllReplicasFailed as gone:
+                raise Stops.no_replica_left(last_step, gone) from None
+        if stop:
+            raise self.stops.agreed(stop, last_step)
+        self.incidents.flush_rejoins()
+        self.stops.complete(last_step)
+
+    def abort(self, error: BaseException) -> None:
+        """Any other error escaping the step becomes a fail-stop: an exception exit would not be
+        reported to the other replicas, which would then wait for this rank forever."""
+        traceback.print_exception(error)
+        kind, sig = classify(error)
+        self.members.leave(kind, sig)
+
+    def close(self) -> None:
+        self.stops.close()

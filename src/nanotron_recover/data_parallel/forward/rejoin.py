@@ -1,0 +1,291 @@
+"""Re-join (``recover.rejoin.mode: spawn``): park the healthy ranks of a failed replica, follow the
+job, and bring the replica back at a step boundary with a healthy replica's state.
+
+- **Parking.** A rank learns that a peer of its replica failed from its torch world (a gloo/NCCL
+  error) or from the failure watch; it enters the recovery itself (which wakes the survivors
+  waiting on it) and comes out parked: a member of the global communicator, of no replica
+  (:meth:`Rejoin.park_now` raises :class:`~nanotron_recover.data_parallel.protocol.Parked`).
+- **Following.** A parked rank runs no steps; it follows the global agrees, which carry their kind
+  (step, join, finish, stop), so it needs no step count of its own (:meth:`Rejoin.wait`).
+- **When.** At the boundary after step ``t`` the re-join policy (``policy/rejoin.py``) says which
+  replicas are due; every member computes the same answer from the same book.
+- **The join.** The active ranks agree (kind ``join``), then the join protocol (``ft/join.py``)
+  spawns the dead ranks, merges and re-splits; every rank of a re-joining replica receives a
+  healthy replica's state over its coordinate's DP communicator (``state_transfer.py``); the commit
+  agree makes it all or nothing. A spawned process starts in :meth:`Rejoin.start_spawned`.
+Every join, failed or not, is an incident of kind ``rejoin``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, NoReturn
+
+import torch.distributed as dist
+
+from ...failures import Kind, Phase
+from ...ft.faults import FaultInjector
+from ...ft.liveness import start_heartbeat
+from ...ft.replica_world import init_replica_world
+from ...ft.watch import current_watch
+from ...ft.world import AllReplicasFailed, JoinFailed, JoinPlan, RecoveryResult, WorldChanged
+from ...parallel.context import ParallelContext
+from ...policy.rejoin import RejoinBook, due_replicas
+from ..protocol import JoinedState, Parked
+from .incidents import Incidents
+from .members import Members
+from .rank_state import RankState
+from .state_transfer import TransferResult, transfer_state
+from .stops import Stops
+
+
+class Rejoin:
+    def __init__(self, state: RankState, members: Members, incidents: Incidents, stops: Stops):
+        self.s, self.members, self.incidents, self.stops = state, members, incidents, stops
+        # The policy's book (alike on every member) and when each replica was lost (for join_s).
+        self.book = RejoinBook()
+        self.lost_wall: dict[int, float] = {}
+        self.told_out_of_spawns = False
+
+    def note_failure(self, step: int, result: RecoveryResult) -> None:
+        """Every member notes the replicas lost in this step alike (the re-join policy's input)."""
+        self.book.lost(result.failed_replicas, step)
+        for r in result.failed_replicas:
+            self.lost_wall[r] = result.detected_at
+
+    # -- parking -----------------------------------------------------------------------------
+    def park_now(self, why: str) -> NoReturn:
+        """My replica lost a member while this rank is healthy: enter the recovery myself (which
+        wakes the peers waiting on me) and stay in the job, parked; raises :class:`Parked`."""
+        s = self.s
+        s.parking = True
+        # The shrink must see the peer's failure, or the replica would look whole: wait until this
+        # process's MPI knows of it (the runtime reports a crash within milliseconds).
+        watch = current_watch()
+        deadline = time.time() + s.park_grace_s
+        while watch is not None and not watch.known_failed() & s.my_replica_ranks and time.time() < deadline:
+            time.sleep(0.02)
+        try:
+            result = s.ftc.recover()
+        except AllReplicasFailed as gone:
+            raise Stops.no_replica_left(s.last_step, gone) from None
+        self.note_failure(s.step, result)
+        if not result.parked:
+            self.members.leave(Kind.PEER_ERROR, why)  # my replica still stands but my torch world broke
+        print(f"[nanotron-recover] rank {s.ftc.rank} parked: {why[:160]}", file=sys.stderr, flush=True)
+        raise Parked(why)
+
+    def wait(self) -> JoinedState:
+        """A parked rank: drop the broken replica world and follow the job until the replica re-joins."""
+        s = self.s
+        s.parking, s.in_recovery, s.restore_handle = True, False, None
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass  # the world is broken anyway; a new one is built on re-join
+        joined = self.follow()
+        s.parking = False
+        return joined
+
+    def follow(self) -> JoinedState:
+        """Follow the active ranks' global agrees: stop, end or re-join with them."""
+        s = self.s
+        while True:
+            try:
+                stop, kind = s.ftc.follow(self.stops.bits())
+            except WorldChanged:
+                continue
+            except AllReplicasFailed as gone:
+                raise Stops.no_replica_left(s.last_step, gone) from None
+            if stop:
+                raise self.stops.agreed(stop, s.last_step)
+            if kind == "finish":
+                self.stops.close()
+            if kind == "join":
+                joined = self._join(None, s.last_step)
+                if joined is not None:
+                    return joined
+
+    # -- the join point ------------------------------------------------------------------------
+    def join_point(self, step: int) -> None:
+        """At the boundary after ``step``: bring back the replicas the policy says are due."""
+        s, r = self.s, self.s.args.rejoin
+        while True:
+            decision = due_replicas(
+                self.book,
+                step,
+                s.parts.target_step(),
+                s.ftc.alive_replicas,
+                after_steps=r.after_steps,
+                max_spawns=r.max_spawns,
+                max_failures_per_replica=r.max_failures_per_replica,
+            )
+            for replica in decision.give_up:
+                self.book.given_up.append(replica)
+                losses = self.book.losses.get(replica, 0)
+                reason = (
+                    f"replica {replica} was lost {losses} times "
+                    f"(recover.rejoin.max_failures_per_replica={r.max_failures_per_replica})"
+                )
+                self.incidents.rejoin(step, {"status": "given_up", "replicas": [replica], "reason": reason})
+            if decision.out_of_spawns and not self.told_out_of_spawns:
+                self.told_out_of_spawns = True
+                reason = f"recover.rejoin.max_spawns={r.max_spawns} spawn attempts used; the job stays at its width"
+                self.incidents.rejoin(
+                    step, {"status": "given_up", "replicas": sorted(self.book.lost_at), "reason": reason}
+                )
+            if not decision.replicas:
+                return
+            try:
+                s.phase = Phase.REJOIN
+                _, stop = s.ftc.agree(True, stop=self.stops.bits(), kind="join")
+                if stop:  # a stop is pending (e.g. a failed save): no join for a job that ends
+                    raise self.stops.agreed(stop, step)
+                break
+            except WorldChanged as changed:
+                self.note_failure(step, changed.result)
+                if changed.result.parked:
+                    raise Parked(f"replica {s.ftc.replica} failed after step {step}") from None
+                incident, records = self.incidents.of_recovery(step, changed.result)
+                self.members.fence(changed.result.failed_ranks)
+                self.incidents.write([incident])
+                self.stops.after_failure(step, records, [])
+            except AllReplicasFailed as gone:
+                raise Stops.no_replica_left(step, gone) from None
+        self._join(decision.replicas, step)
+
+    def _join(self, replicas: tuple[int, ...] | None, step: int) -> JoinedState | None:
+        """One re-join on a member: active ranks pass the due ``replicas``, parked ranks None (the
+        root's plan reaches them). Returns the new state on a reused parked rank of a replica that
+        came back, None elsewhere and on an abort."""
+        s = self.s
+        plan = None
+        if replicas is not None:
+            members = set(s.ftc.members)
+            ranks = [r for rep in replicas for r in s.ftc.topology.ranks_of_replica(rep)]
+            plan = JoinPlan(
+                replicas=tuple(replicas),
+                new_ranks=tuple(r for r in ranks if r not in members),
+                reused_ranks=tuple(r for r in ranks if r in members),
+            )
+        payload = {
+            "step": step,
+            "started": s.started,
+            "book": self.book.as_dict(),
+            "donors": s.ftc.alive_replicas,
+        }
+        s.phase = Phase.REJOIN
+        if not s.ftc.parked:
+            s.injector.maybe_fail(Phase.REJOIN, 0)
+        try:
+            pending = s.ftc.begin_join(plan, spawn_command(), self._spawn_info(), payload)
+        except JoinFailed as failed:
+            if replicas is not None:
+                self.book.attempted(list(replicas), step, joined=False, spawn_failed=failed.could_not_start)
+                self.incidents.rejoin(
+                    step, {"status": "failed", "replicas": list(replicas), "reason": str(failed)}
+                )
+            return None
+        return self._finish_join(pending)
+
+    def _spawn_info(self) -> dict[str, str]:
+        rejoin = self.s.args.rejoin
+        info = {"wdir": os.getcwd()}
+        if rejoin.hosts:
+            info["host"] = ",".join(rejoin.hosts)
+        if rejoin.hostfile:
+            info["hostfile"] = str(rejoin.hostfile)
+        return info
+
+    def _finish_join(self, pending: Any) -> JoinedState | None:
+        """The last stages of a re-join, alike on members and spawned processes: move the state,
+        commit, and on the re-joining replica build its torch world."""
+        from mpi4py import MPI
+
+        s = self.s
+        plan, payload, me = pending.plan, pending.payload, s.ftc.replica
+        donors, rejoining = list(payload["donors"]), list(plan.replicas)
+        transfer = TransferResult(pending.ok, None, 0, 0.0)
+        if pending.ok and pending.dp_comm is not None:
+            transfer = transfer_state(
+                pending.dp_comm,
+                me,
+                donors,
+                rejoining,
+                export=lambda: s.parts.engine.export_state(),
+                fault_point=lambda: s.injector.maybe_fail(Phase.REJOIN, 1),
+            )
+        ok, stats = transfer.ok, []
+        if ok:
+            try:
+                received = transfer.state_bytes if me in rejoining else 0
+                stats = pending.merged.allgather((received, transfer.seconds))
+            except MPI.Exception:
+                ok = False
+                try:
+                    pending.merged.Revoke()
+                except MPI.Exception:
+                    pass
+        committed = s.ftc.commit_join(pending, ok)  # a spawned process dies here on an abort
+        if committed and me in rejoining:
+            # A member now: the failure watch's grace applies again (a peer may die while the
+            # replica's world is being built).
+            s.joining = s.parking = False
+        self.book = RejoinBook.from_dict(payload["book"])
+        self.book.attempted(rejoining, payload["step"], committed)
+        record: dict[str, Any] = {"status": "joined" if committed else "failed", "replicas": rejoining}
+        if committed:
+            now = time.time()
+            record.update(
+                spawned_ranks=list(plan.new_ranks),
+                orphans_reused=list(plan.reused_ranks),
+                state_bytes=int(sum(b for b, _ in stats)),
+                transfer_s=max((t for _, t in stats), default=0.0),
+                spawn_s=pending.spawn_s,
+                join_s=now - min((self.lost_wall.get(r, now) for r in rejoining), default=now),
+                epoch=s.ftc.epoch,
+            )
+        else:
+            record["reason"] = "a member failed during the re-join"
+        self.incidents.rejoin(payload["step"], record)
+        if committed:
+            self.incidents.flush_rejoins()
+            if self.members.is_logger():
+                self.members.write_rank_table()
+        if not committed or me not in rejoining:
+            return None
+        world = init_replica_world(s.ftc)
+        p = s.cfg.parallelism
+        ctx = ParallelContext.create(p.inner, p.pp, 1, world.device)
+        s.my_replica_ranks = s.replica_ranks()
+        s.step = s.last_step = payload["step"]
+        return JoinedState(step=payload["step"], engine_state=transfer.received, world=world, ctx=ctx)
+
+    # -- a spawned process ---------------------------------------------------------------------
+    def start_spawned(self, callbacks: dict[str, Any]) -> JoinedState:
+        """A process spawned by a re-join: take a dead rank's place, receive its replica's state
+        from a healthy replica, commit the join (or die with it), then build the replica's world."""
+        from ...ft.comm import FaultTolerantComm
+
+        s, p = self.s, self.s.cfg.parallelism
+        s.joining = True
+        start_heartbeat(s.run_dir, s.args.heartbeat_period_s)  # nobody else watches this process
+        s.ftc, pending = FaultTolerantComm.join_parent(p.inner, p.pp, p.dp, **callbacks)
+        payload = pending.payload
+        s.started = payload["started"]
+        s.step = s.last_step = payload["step"]
+        s.phase = Phase.REJOIN
+        s.my_replica_ranks = s.replica_ranks()
+        s.injector = FaultInjector(s.args, s.ftc.rank, s.ftc.replica, s.run_dir)
+        s.injector.begin_step(s.step, list(payload["donors"]))
+        joined = self._finish_join(pending)
+        assert joined is not None  # an aborted join SIGKILLs a spawned process
+        return joined
+
+
+def spawn_command() -> list[str]:
+    """How a replacement process starts: this rank's own command line, through the CLI."""
+    return [sys.executable, "-m", "nanotron_recover.cli", *sys.argv[1:]]
