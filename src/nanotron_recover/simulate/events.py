@@ -57,6 +57,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from ..failures import Kind, Phase
 from ..policy import repair, steady_plan
 from .constants import Profile
 from .workload import Workload
@@ -76,10 +77,10 @@ class Fault:
     at: float = 0.0  # by step: where in the step's compute it strikes (0 = first micro-batch)
     replica: int | None = None  # by step: the victim; None: the highest replica alive
     device: int | None = None  # by time: the device that fails (its replica is the victim)
-    kind: str = "crash"  # crash (detected by the runtime) or hang (by the heartbeat timeout)
+    kind: str = Kind.CRASH  # crash (detected by the runtime) or hang (by the heartbeat timeout)
 
 
-def every_k_steps(k: int, until: int, replicas: int, at: float = 0.0, kind: str = "crash") -> list[Fault]:
+def every_k_steps(k: int, until: int, replicas: int, at: float = 0.0, kind: str = Kind.CRASH) -> list[Fault]:
     """Replica ``W0 - i`` fails in step ``i * k`` for ``i = 1..until`` (benchmarks/faults.py's rule)."""
     if k < 1 or until < 0 or until >= replicas:
         raise ValueError(f"every {k} steps until {until} of {replicas} replicas are lost: not possible")
@@ -91,7 +92,7 @@ def mtbf_faults(
     devices: int,
     horizon_s: float,
     seed: int,
-    kind: str = "crash",
+    kind: str = Kind.CRASH,
     limit: int | None = None,
 ) -> list[Fault]:
     """Poisson faults at rate ``devices / MTBF`` until ``horizon_s``, each on a random device."""
@@ -209,7 +210,7 @@ class _Clock:
         self.run.events.append(Event(t, kind, step, dict(detail)))
 
     def detect_s(self, fault: Fault) -> float:
-        return self.wl.heartbeat_timeout_s if fault.kind == "hang" else self.prof.v("detect_crash_s")
+        return self.wl.heartbeat_timeout_s if fault.kind == Kind.HANG else self.prof.v("detect_crash_s")
 
     def repair_s(self, ranks: int) -> float:
         v = self.prof.v
@@ -375,7 +376,7 @@ def _forward(
         if interval and step % interval == 0:
             t = max(t, save_ready) + c.save_block_s()
             save_ready = t + c.write_s()
-            c.event(t, "save", step)
+            c.event(t, Phase.SAVE, step)
         step += 1
     run.wall_s = t + prof.v("exit_ft_s")
     c.event(run.wall_s, "end", step - 1)
@@ -444,7 +445,7 @@ def _checkpoint_restart(
             t = max(t, save_ready) + c.save_block_s()
             save_ready = t + c.write_s()
             saves.append((save_ready, step))
-            c.event(t, "save", step)
+            c.event(t, Phase.SAVE, step)
         step += 1
     for out in waiting:  # the budget ended before the failed step was committed again: stalled so far
         out.stall_s = out.stall_first_s = max(min(t, until_s) - out.time_s, 0.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..failures import Kind
 from .constants import PROFILES
 
 
@@ -19,7 +20,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--until", type=int, help="... until N replicas are lost (default: half of them)")
     parser.add_argument("--mtbf-hours", type=float, help="random faults instead: MTBF per device, hours")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random faults")
-    parser.add_argument("--fault-kind", choices=["crash", "hang"], default="crash")
+    parser.add_argument("--fault-kind", choices=[Kind.CRASH.value, Kind.HANG.value], default=Kind.CRASH.value)
     parser.add_argument(
         "--fault-at", type=float, default=0.0, help="where in the step a fault strikes, 0..1 of compute"
     )

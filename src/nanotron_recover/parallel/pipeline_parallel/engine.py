@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from ...failures import Phase
 from ...models.llama import LlamaStage
 from ..context import ParallelContext
 from .p2p import P2P
@@ -39,7 +40,7 @@ class PipelineEngine:
     # -- one micro-batch each way ------------------------------------------------------------
     def _forward(self, i: int, mb: torch.Tensor, loss_scale: float, losses: list[torch.Tensor]) -> None:
         if self.event_hook is not None:
-            self.event_hook("forward", i)
+            self.event_hook(Phase.FORWARD, i)
         if self.ctx.is_first_stage:
             x = mb[:, :-1].to(self.ctx.device)
         else:
@@ -55,7 +56,7 @@ class PipelineEngine:
 
     def _backward(self, i: int) -> None:
         if self.event_hook is not None:
-            self.event_hook("backward", i)
+            self.event_hook(Phase.BACKWARD, i)
         x, out = self._inputs.pop(i), self._outputs.pop(i)
         if self.ctx.is_last_stage:
             out.backward()
