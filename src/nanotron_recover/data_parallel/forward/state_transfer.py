@@ -64,7 +64,7 @@ def transfer_state(
     rank received (receivers), or sent. ``fault_point()`` runs mid-transfer (fault injection)."""
     from mpi4py import MPI
 
-    from ..ft.comm import is_fault
+    from ...ft.comm import is_fault
 
     members = sorted(set(donors) | set(rejoining))
     position = {r: i for i, r in enumerate(members)}
