@@ -1,0 +1,1 @@
+"""Test helpers: fakes, multi-process harnesses, local clusters and shared checks."""

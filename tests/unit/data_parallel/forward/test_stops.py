@@ -1,0 +1,103 @@
+"""Stops (``data_parallel/forward/stops.py``) on the fake communicator: one agreed stop, one outcome,
+one exit status, on every path that ends the job."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanotron_recover.errors import ExitCode, StopRun
+from nanotron_recover.failures import stop_bit
+from tests.helpers.fake_comm import Fault
+from tests.helpers.forward_replica import Exited, Replica
+
+# -- stops ------------------------------------------------------------------------------------------
+
+
+def test_stop_request_rides_on_the_agree(tmp_path, exits):
+    job = Replica(tmp_path, W=4, G=2, me=0)
+    job.assert_full_batch(1, job.step(1))
+    job.fr.after_step(1)
+    job.fr.request_stop(StopRun("io", "No space left on device: checkpoints/1"))
+    job.fr.request_stop(StopRun("deterministic", "a later request does not replace the first"))
+
+    with pytest.raises(Exited) as exited:
+        job.step(2)
+
+    assert exited.value.code == ExitCode.IO
+    assert job.comm.agrees[-1] == (True, stop_bit("io"))
+    ((status, last_step, stop),) = job.outcomes
+    assert (status, last_step, stop.kind) == ("stopped", 1, "io")
+    assert stop.message == "No space left on device: checkpoints/1"
+    assert job.comm.barriers == 1 and job.comm.watch_stopped
+
+
+def test_stop_requested_by_another_replica(tmp_path, exits):
+    # A save failed on another rank (a full disk): only that rank knows the message.
+    job = Replica(tmp_path, W=4, G=2, me=0)
+    job.comm.others_stop = stop_bit("io")
+    job.comm.others_gather = "No space left on device: checkpoints/1"
+
+    with pytest.raises(Exited) as exited:
+        job.step(1)
+
+    assert exited.value.code == ExitCode.IO
+    assert job.comm.agrees == [(True, 0)]
+    ((status, last_step, stop),) = job.outcomes
+    assert (status, last_step, stop.kind) == ("stopped", 0, "io")
+    # The logging rank learns the message from the allgather; it does not know it itself.
+    assert job.comm.global_comm.gathered == [None]
+    assert stop.message == "No space left on device: checkpoints/1"
+
+
+def test_lost_replica_whose_record_stops_the_job(tmp_path, exits):
+    record = {"kind": "deterministic", "phase": "recovery", "message": "InjectedError again on [6]"}
+    job = Replica(tmp_path, W=4, G=2, me=0, faults=[Fault(1, "allreduce", 2, (3,), record)])
+
+    with pytest.raises(Exited) as exited:
+        job.step(1)
+
+    assert exited.value.code == ExitCode.DETERMINISTIC
+    assert job.engine.batches == [[0, 1]]  # stopped, not repaired: nothing redone
+    ((status, last_step, stop),) = job.outcomes
+    assert (status, last_step, stop.kind, stop.message) == (
+        "stopped",
+        0,
+        "deterministic",
+        "InjectedError again on [6]",
+    )
+    (incident,) = job.incidents
+    assert incident["kind"] == "deterministic" and incident["failed_replicas"] == [3]
+
+
+def test_below_min_replicas_saves_the_last_committed_step_and_stops(tmp_path, exits):
+    job = Replica(
+        tmp_path, W=4, G=2, me=0, faults=[Fault(2, "allreduce", 0, (3,))], sets=["recover.min_replicas=4"]
+    )
+    job.assert_full_batch(1, job.step(1))
+    job.fr.after_step(1)
+
+    with pytest.raises(Exited) as exited:
+        job.step(2)
+
+    assert exited.value.code == ExitCode.TOO_FEW_REPLICAS
+    assert job.saves == [(1, True)]  # the checkpoint writer saves step 1, synchronously
+    ((status, last_step, stop),) = job.outcomes
+    assert (status, last_step, stop.kind) == ("stopped", 1, "too_few_replicas")
+    assert "3 replicas left, below recover.min_replicas=4" in stop.message
+    assert f"Saved step 1 to {tmp_path / 'checkpoints' / '1'}" in stop.message
+    (incident,) = job.incidents
+    assert incident["step"] == 2 and incident["failed_replicas"] == [3]
+
+
+def test_every_replica_lost(tmp_path, exits):
+    job = Replica(tmp_path, W=2, G=2, me=0, faults=[Fault(2, "agree", 0, (0, 1))])
+    job.assert_full_batch(1, job.step(1))
+
+    with pytest.raises(Exited) as exited:
+        job.step(2)
+
+    assert exited.value.code == ExitCode.TOO_FEW_REPLICAS
+    assert job.saves == []
+    ((status, last_step, stop),) = job.outcomes
+    assert (status, last_step, stop.kind) == ("stopped", 1, "too_few_replicas")
+    assert "no replica left alive" in stop.message

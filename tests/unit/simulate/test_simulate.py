@@ -1,0 +1,359 @@
+"""The fault simulator: the event model's arithmetic on hand-checkable cases, the constants table, the
+CLI, and the this-machine prediction against the committed benchmarks/results/faults.json.
+
+Nothing here is timing-dependent: the model is deterministic, and the validation compares it with
+numbers recorded in a file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from nanotron_recover.config import load_config
+from nanotron_recover.policy import repair, steady_plan
+from nanotron_recover.simulate import validation
+from nanotron_recover.simulate.constants import (
+    MEANINGS,
+    PROFILES,
+    SET_ON_COMMAND_LINE,
+    THIS_MACHINE,
+    format_constants,
+    get_profile,
+    parse_overrides,
+)
+from nanotron_recover.simulate.events import (
+    CKPT,
+    FORWARD,
+    REJOIN,
+    Fault,
+    every_k_steps,
+    mtbf_faults,
+    simulate,
+)
+from nanotron_recover.simulate.workload import Workload, build_workload, microbatch_flops
+
+ROOT = Path(__file__).resolve().parents[3]
+LLAMA7B = ROOT / "configs" / "llama7b_c4.yaml"
+
+# Round numbers so that every expected time below can be checked by hand.
+PROFILE = THIS_MACHINE.with_values(
+    {
+        "launcher_s": 1.0,
+        "start_base_s": 2.0,
+        "start_per_log2_rank_s": 0.0,
+        "start_plain_extra_s": 0.0,
+        "detect_crash_s": 0.1,
+        "repair_base_s": 0.2,
+        "repair_per_log2_rank_s": 0.0,
+        "exit_ft_s": 0.3,
+        "exit_plain_s": 0.4,
+        "relaunch_s": 5.0,
+        "save_fixed_s": 0.0,
+        "spawn_s": 3.0,
+        "rebuild_s": 1.0,
+        "state_transfer_bw": 1.0,
+    }
+)
+LAUNCH = 1.0 + 2.0  # launcher_s + start_base_s
+
+
+def workload(**changes: object) -> Workload:
+    """4 replicas of 1 rank, B = 8, a micro-batch takes 1 s, the reduction 0.5 s: a step is 2.5 s."""
+    base = Workload(
+        replicas=4,
+        width=1,
+        pp=1,
+        B=8,
+        tokens_per_step=1000,
+        parameters=1,
+        flops_per_microbatch=1.0,
+        stage_s=1.0,
+        grad_bytes_per_rank=0,
+        state_bytes_per_rank=0,
+        optimizer_s=0.0,
+        shared_cores=0,
+        dp_bw=1.0,
+        dp_latency_ft_s=0.5,
+        dp_latency_plain_s=0.5,
+        spares="shadow",
+        min_replicas=1,
+        heartbeat_timeout_s=10.0,
+    )
+    return replace(base, **changes)  # type: ignore[arg-type]
+
+
+# -- the event model ---------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", [FORWARD, CKPT, REJOIN])
+def test_fault_free_run_is_start_steps_exit(mode):
+    wl = workload()
+    run = simulate(wl, PROFILE, mode, [], steps=10)
+    exit_s = 0.4 if mode == CKPT else 0.3
+    assert run.wall_s == pytest.approx(LAUNCH + 10 * 2.5 + exit_s)
+    assert [s for _, s in run.commits()] == list(range(1, 11))
+    assert run.faults == [] and run.total_stall_s == 0.0
+    assert run.tokens_at(run.wall_s) == 10 * 1000
+    assert run.tokens_at(LAUNCH + 4 * 2.5 + 1e-9) == 4 * 1000  # 4 steps stand after 4 steps
+
+
+def test_one_fault_forward_redoes_g_ext_and_then_runs_narrower():
+    wl = workload()
+    run = simulate(wl, PROFILE, FORWARD, [Fault(step=3, replica=3)], steps=6)
+    # Step 3: the survivors compute their 2 micro-batches (2 s; the crash surfaced meanwhile), repair
+    # 0.2 s, replica 3's 2 ids go to 3 survivors -> G_ext = 1 micro-batch (1 s), reduce 0.5 s.
+    (f,) = run.faults
+    assert f.extra_microbatches == 1 and f.action == "policy_boundary"
+    assert run.step_s[3] == pytest.approx(2 + 0.2 + 1 + 0.5)
+    assert f.stall_s == pytest.approx(0.2 + 1)
+    # Then 3 replicas: ceil(8 / 3) = 3 micro-batches for the longest one.
+    assert run.step_s[4] == pytest.approx(3 + 0.5)
+    assert wl.step_s(3, forward=True) == pytest.approx(3 + 0.5)
+    assert run.wall_s == pytest.approx(LAUNCH + 2 * 2.5 + 3.7 + 3 * 3.5 + 0.3)
+
+
+def test_detection_is_hidden_behind_compute_unless_the_fault_is_late():
+    wl = workload(heartbeat_timeout_s=1.5)
+    early = simulate(wl, PROFILE, FORWARD, [Fault(step=2, replica=3, kind="hang", at=0.0)], steps=2)
+    late = simulate(wl, PROFILE, FORWARD, [Fault(step=2, replica=3, kind="hang", at=1.0)], steps=2)
+    # at 0: the 1.5 s timeout ends before the survivors' 2 s of compute; at 1: all of it is exposed.
+    assert early.faults[0].stall_s == pytest.approx(0.2 + 1)
+    assert late.faults[0].stall_s == pytest.approx(1.5 + 0.2 + 1)
+
+
+def test_a_fault_during_recovery_repairs_the_repaired_plan():
+    wl = workload()
+    t0 = LAUNCH  # step 1 starts here
+    faults = [Fault(time_s=t0 + 0.5, device=3), Fault(time_s=t0 + 2.5, device=2)]
+    run = simulate(wl, PROFILE, FORWARD, faults, steps=2)
+    # Fault A (replica 3) surfaces at t0+2, repaired at t0+2.2: replicas 0 and 1 redo one id each
+    # until t0+3.2. Fault B strikes replica 2 during that redo; it surfaces at the next reduce
+    # (t0+3.2), repaired at t0+3.4, its 2 ids go to replicas 0 and 1 (1 each) until t0+4.4, reduce.
+    assert [f.replica for f in run.faults] == [3, 2]
+    assert run.step_s[1] == pytest.approx(4.9)
+    assert sum(f.stall_s for f in run.faults) == pytest.approx(4.9 - 2.5)
+    # The same as the policy: two repairs in one step, 1 extra micro-batch each.
+    plan = steady_plan(0, 8, [0, 1, 2, 3])
+    first = repair(plan, [3])
+    second = repair(first.plan, [2])
+    assert (first.g_ext, second.g_ext) == (1, 1) == tuple(f.extra_microbatches for f in run.faults)
+    assert second.plan.max_microbatches == 4
+    assert run.step_s[2] == pytest.approx(4.5)
+    assert wl.step_s(2, forward=True) == pytest.approx(4.5)
+
+
+def test_a_spare_promoted_costs_no_redone_microbatch():
+    wl = workload(replicas=3, B=4)  # G = 2: 2 Majors and a Spare shadowing replica 0
+    run = simulate(wl, PROFILE, FORWARD, [Fault(step=1, replica=0)], steps=1)
+    assert run.faults[0].action == "promote_spare" and run.faults[0].extra_microbatches == 0
+    assert run.faults[0].stall_s == pytest.approx(0.2)  # the repair alone
+
+
+def test_checkpoint_restart_recomputes_the_steps_since_the_last_checkpoint():
+    wl = workload()
+    run = simulate(wl, PROFILE, CKPT, [Fault(step=7, replica=3)], steps=10, interval=4)
+    (f,) = run.faults
+    assert f.recomputed_steps == 2  # steps 5 and 6, from the checkpoint of step 4
+    restart = 0.1 + 5.0 + 2.0  # detect + relaunch + start-up (nothing to load)
+    assert f.stall_s == pytest.approx(restart + 2 * 2.5)
+    assert f.stall_first_s == pytest.approx(restart + 3 * 2.5)  # step 7 itself had to run anyway
+    assert run.wall_s == pytest.approx(LAUNCH + 6 * 2.5 + restart + 6 * 2.5 + 0.4)
+    assert [s for _, s in run.commits()] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9, 10]
+    # While the job is down the checkpoint of step 4 is what stands.
+    assert run.steps_at(f.time_s + 1.0) == 4
+
+
+@pytest.mark.parametrize("interval,fault_step,recomputed", [(2, 7, 0), (16, 7, 6), (64, 60, 59), (4, 8, 3)])
+def test_recompute_is_the_fault_step_minus_one_minus_the_checkpoint(interval, fault_step, recomputed):
+    run = simulate(workload(), PROFILE, CKPT, [Fault(step=fault_step, replica=3)], 70, interval)
+    assert run.faults[0].recomputed_steps == recomputed
+    assert run.faults[0].stall_s == pytest.approx(0.1 + 5.0 + 2.0 + recomputed * 2.5)
+
+
+def test_a_checkpoint_still_being_written_cannot_be_resumed_from():
+    # Each rank writes 10 bytes at 1 B/s: the save of step 4 is published 10 s later, after step 7
+    # began (steps are 2.5 s), so a fault in step 7 resumes from nothing.
+    wl = workload(state_bytes_per_rank=10)
+    prof = PROFILE.with_values({"fs_write_bw": 1.0, "stage_bw": 1e12, "fs_read_bw_aggregate": 1e12})
+    run = simulate(wl, prof, CKPT, [Fault(step=7, replica=3)], steps=8, interval=4)
+    assert run.faults[0].recomputed_steps == 6
+    later = simulate(wl, prof, CKPT, [Fault(step=9, replica=3)], steps=10, interval=4)
+    assert later.faults[0].recomputed_steps == 4  # by step 9 the save of step 4 is published
+
+
+def test_stall_last_reads_the_last_commit_like_faults_py():
+    # No checkpoint before the second fault: the job recomputes step 3 after fault 2, so the last
+    # commit of step 3 (what restart.py's stall_s reads) comes after both restarts.
+    faults = [Fault(step=3, replica=3), Fault(step=5, replica=2)]
+    run = simulate(workload(), PROFILE, CKPT, faults, steps=6, interval=64)
+    first, second = run.faults
+    restart = 0.1 + 5.0 + 2.0
+    assert first.stall_first_s == pytest.approx(restart + 3 * 2.5)
+    assert second.stall_last_s == pytest.approx(restart + 5 * 2.5)
+    assert first.stall_last_s == pytest.approx(
+        first.stall_first_s + 2.5 + restart + 3 * 2.5
+    )  # step 4, fault 2
+
+
+def test_forward_recovery_is_flat_in_the_checkpoint_interval():
+    cfg = load_config(LLAMA7B, check_paths=False)
+    prof = get_profile("a100-512")
+    wl = build_workload(cfg, prof)
+    faults = every_k_steps(5, 8, wl.replicas)
+    stalls = {
+        n: [f.stall_s for f in simulate(wl, prof, FORWARD, faults, 45, interval=n).faults]
+        for n in (2, 16, 64)
+    }
+    assert len(stalls[2]) == 8
+    assert stalls[2] == pytest.approx(stalls[16])
+    assert stalls[16] == pytest.approx(stalls[64])
+    ckpt = {n: simulate(wl, prof, CKPT, faults, 45, interval=n).faults for n in (2, 16, 64)}
+    assert (
+        max(f.stall_s for f in ckpt[2]) < max(f.stall_s for f in ckpt[16]) < max(f.stall_s for f in ckpt[64])
+    )
+
+
+def test_lost_replicas_slow_the_step_by_the_longest_replica_rule():
+    cfg = load_config(LLAMA7B, check_paths=False)
+    prof = get_profile("a100-512")
+    wl = build_workload(cfg, prof)
+    run = simulate(wl, prof, FORWARD, every_k_steps(2, 3, wl.replicas), steps=8)
+    width = {e.step: e.detail["replicas"] for e in run.events if e.kind == "commit"}
+    for step in (1, 3, 5, 7, 8):  # the steps without a fault
+        w = width[step]
+        assert run.step_s[step] == pytest.approx(wl.step_s(w, forward=True))
+        compute = (math.ceil(wl.B / w) + wl.pp - 1) * wl.stage_s
+        assert run.step_s[step] == pytest.approx(compute + wl.reduce_s(w, forward=True))
+    assert [width[s] for s in (1, 3, 5, 7)] == [64, 63, 62, 61]
+    # The policy's longest replica is ceil(B / W) for every W the run went through.
+    for w in (64, 63, 62, 61, 48, 33):
+        plan = steady_plan(0, wl.B, range(w))
+        assert max(plan.microbatches_of(r) for r in plan.alive) == math.ceil(wl.B / w)
+
+
+def test_below_min_replicas_the_job_saves_stops_and_relaunches_at_full_width():
+    wl = workload(min_replicas=3)
+    run = simulate(wl, PROFILE, FORWARD, every_k_steps(2, 2, 4), steps=6)
+    assert [r for _, r in run.replicas] == [4, 3, 2, 4]
+    assert any(e.kind == "restart" and e.detail.get("reason") == "min_replicas" for e in run.events)
+    assert [s for _, s in run.commits()] == [1, 2, 3, 4, 5, 6]  # step 4 ran again, whole
+
+
+def test_rejoin_brings_the_replica_back_after_one_step():
+    wl = workload(state_bytes_per_rank=2)  # 2 bytes at 1 B/s: 2 s of transfer
+    run = simulate(wl, PROFILE, REJOIN, [Fault(step=2, replica=3)], steps=5)
+    ((when, stall, back),) = run.joins
+    assert back == 1 and stall == pytest.approx(3.0 + 2.0 + 1.0 + 0.2)  # spawn + transfer + rebuild + agree
+    assert [r for _, r in run.replicas] == [4, 3, 4]
+    assert run.step_s[3] == pytest.approx(3.5) and run.step_s[4] == pytest.approx(2.5)
+
+
+def test_mtbf_schedule_is_seeded_and_a_fault_while_down_restarts_the_restart():
+    a = mtbf_faults(1.0, 512, 3600.0, seed=3)
+    assert a == mtbf_faults(1.0, 512, 3600.0, seed=3) != mtbf_faults(1.0, 512, 3600.0, seed=4)
+    assert 400 < len(a) < 650  # 512 devices at 1 h MTBF: 512 faults expected in an hour
+    wl = workload()
+    t0 = LAUNCH
+    one = simulate(wl, PROFILE, CKPT, [Fault(time_s=t0 + 3.0, device=1)], steps=4, interval=1)
+    two = simulate(
+        wl, PROFILE, CKPT, [Fault(time_s=t0 + 3.0, device=1), Fault(time_s=t0 + 6.0, device=2)], 4, 1
+    )
+    assert two.wall_s - one.wall_s == pytest.approx(3.0)  # the second fault, 3 s into the restart
+
+
+# -- workload from the config ------------------------------------------------------------------
+def test_flops_and_step_of_llama7b():
+    cfg = load_config(LLAMA7B, check_paths=False)
+    wl = build_workload(cfg, get_profile("a100-512"))
+    assert wl.parameters == 6_738_415_616 and wl.B == 8192 and wl.ranks == 512 and wl.width == 8
+    tokens = 2048
+    assert microbatch_flops(cfg) == 6 * wl.parameters * tokens + 12 * 32 * 4096 * 2048 * tokens
+    compute = microbatch_flops(cfg) / (8 * 312e12 * 0.45)
+    assert compute < wl.stage_s < 1.2 * compute  # TP and PP traffic add a little
+    assert 5.0 < wl.step_s(64, forward=True) < 30.0
+
+
+# -- constants ---------------------------------------------------------------------------------
+def test_every_constant_has_a_source_a_unit_and_a_meaning():
+    for profile in PROFILES.values():
+        assert set(profile) == set(MEANINGS)
+        for c in profile.values():
+            assert c.source.strip() and c.unit.strip() and c.meaning.strip(), c.name
+            assert math.isfinite(c.value), c.name
+        text = format_constants(profile)
+        assert all(name in text for name in profile)
+        assert text.count("source: ") == len(profile)
+
+
+def test_set_constant_overrides_the_value_and_says_so():
+    prof = get_profile("a100-512", parse_overrides(["mfu=0.5"]))
+    assert prof.v("mfu") == 0.5 and prof["mfu"].source == SET_ON_COMMAND_LINE
+    assert get_profile("a100-512").v("mfu") == 0.45
+    with pytest.raises(KeyError):
+        get_profile("a100-512", {"no_such_constant": 1.0})
+    with pytest.raises(ValueError):
+        parse_overrides(["mfu"])
+
+
+# -- the CLI -----------------------------------------------------------------------------------
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "nanotron_recover.cli", "simulate", "--config", str(LLAMA7B), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+
+
+def test_cli_prints_the_table_beside_the_paper(tmp_path):
+    out = _cli("--intervals", "2,16", "--plot", str(tmp_path / "p.png"), "--json", str(tmp_path / "s.json"))
+    assert out.returncode == 0, out.stderr
+    for text in ("| run |", "forward-2", "ckpt-restart-2", "ckpt-restart-16", "paper: stall/fault s", "~180"):
+        assert text in out.stdout
+    assert (tmp_path / "p.png").stat().st_size > 0
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert [r["run"] for r in data["rows"]] == [
+        "forward-2",
+        "ckpt-restart-2",
+        "forward-16",
+        "ckpt-restart-16",
+    ]
+
+
+def test_cli_constants_and_bad_input():
+    out = _cli("--profile", "this-machine", "--constants", "--set-constant", "mfu=0.1")
+    assert out.returncode == 0 and "source: " + SET_ON_COMMAND_LINE in out.stdout
+    bad = _cli("--set-constant", "nope=1")
+    assert bad.returncode == 2 and "nope" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# -- against this machine ----------------------------------------------------------------------
+def test_this_machine_prediction_is_within_25_percent_of_faults_json():
+    measured = json.loads((ROOT / "benchmarks" / "results" / "faults.json").read_text())
+    rows = validation.compare(measured)
+    assert {r["run"] for r in rows} == {"recover", "ckpt-restart-2", "ckpt-restart-16", "ckpt-restart-64"}
+    checked = [r for r in rows if r["quantity"] in validation.QUANTITIES]
+    assert len(checked) == 8
+    bad = [r for r in checked if abs(r["error"]) > validation.TOLERANCE]
+    assert not bad, bad
+
+
+def test_device_hours_count_only_the_replicas_held():
+    run = simulate(workload(), PROFILE, FORWARD, [Fault(step=3, replica=3)], steps=6)
+    (f,) = run.faults
+    t = run.wall_s
+    assert run.device_s_at(t, 1) == pytest.approx(4 * f.time_s + 3 * (t - f.time_s))
+    assert run.time_at_device_s(4 * f.time_s + 3.0, 1) == pytest.approx(f.time_s + 1.0)
+    ckpt = simulate(workload(), PROFILE, CKPT, [Fault(step=3, replica=3)], steps=6, interval=2)
+    assert ckpt.device_s_at(10.0, 1) == pytest.approx(40.0)  # replacement hardware: always 4
+
+
+def test_faults_that_surface_together_are_repaired_in_one_round():
+    t0 = LAUNCH
+    faults = [Fault(time_s=t0 + 0.5, device=3), Fault(time_s=t0 + 1.0, device=2)]
+    run = simulate(workload(), PROFILE, FORWARD, faults, steps=1)
+    # Both are known when the survivors reach the reduce (t0+2): one repair, 4 ids over 2 survivors.
+    assert [f.extra_microbatches for f in run.faults] == [2, 2]
+    assert run.step_s[1] == pytest.approx(2 + 0.2 + 2 + 0.5)
+    assert repair(steady_plan(0, 8, range(4)), [2, 3]).g_ext == 2
