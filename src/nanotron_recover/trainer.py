@@ -11,7 +11,7 @@ The trainer composes two parts it does not look inside:
   (FSDP2), with its flat fp32 gradient and its optimizer step;
 - a data-parallel mode (``data_parallel/``), handed in by the caller: how the step's micro-batches
   are split over the replicas and their gradients summed -- a plain all-reduce, or forward recovery
-  over the ULFM communicator (``recovery/transaction.py``).
+  over the ULFM communicator (``data_parallel/forward/``).
 
 It owns the rest: the loop, data sources, checkpoints (when and where), metrics, and the outcome
 record.

@@ -1,7 +1,7 @@
 """One rank's live training state, as a donor rank hands it to a joiner at the same (pp, tp) coordinate.
 
 A re-join brings a replica back by giving each of its ranks the state of the rank at the same
-coordinate of a healthy replica (``recovery/state_transfer.py``). For the joiner to continue
+coordinate of a healthy replica (``data_parallel/forward/state_transfer.py``). For the joiner to continue
 *bitwise* like its donor it needs everything that determines the next optimizer steps on that rank:
 the weights, the fp32 master weights, the AdamW moments and step counts, the optimizer's
 hyper-parameters and the RNG states. Everything else is a function of the committed step (data

@@ -107,7 +107,7 @@ of kind ``join`` tells the parked ranks. Then, collectively over the global comm
    free slot, unknown host, missing command), and nothing changed;
 3. an allgather of (logical rank, process) and the replica and DP splits of ``merged``, with the
    re-joining replicas' ranks now active, plus the failure watch's own duplicate;
-4. the caller moves the replica state over the new DP communicators (``recovery/state_transfer.py``);
+4. the caller moves the replica state over the new DP communicators (``data_parallel/forward/state_transfer.py``);
 5. *commit agree* ``merged.Agree(ok)``: uniform, so either every member installs the new world
    (epoch + 1, the replicas alive again) or none does. On an abort the parents keep their old
    communicators (a dead parent is then found by the next step's agree, as any failure) and the

@@ -6,7 +6,7 @@ world -- writes one small JSON record to ``<run_dir>/faults/`` *before* it dies.
 the records of the ranks that failed when they log the incident: the record gives the failure's
 ``kind``, the phase and the wall-clock time of the failure (so detection latency is measured from
 the real moment of failure), and for an exception the micro-batch ids and the error, which is how a
-deterministic error is told from a transient one (see ``recovery/transaction.py``).
+deterministic error is told from a transient one (see ``data_parallel/forward/incidents.py``).
 
 A rank killed from outside leaves no record; the survivors then classify the failure themselves
 (``crash`` or ``hang``, see ``ft/processes.py``).
