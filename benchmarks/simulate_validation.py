@@ -340,7 +340,7 @@ def main() -> int:
         "",
         f"Largest error: {worst:.1%} (target: within 25%).",
         "",
-        "## Against the committed `benchmarks/results/faults.json` (what `tests/test_simulate.py` checks)",
+        "## Against the committed `benchmarks/results/faults.json` (what `tests/unit/simulate/test_simulate.py` checks)",
         "",
         *table(committed_rows),
         "",
@@ -358,7 +358,7 @@ def main() -> int:
         "machine": machine,
         "source": origin,
         # The measurement itself (faults.json's format, without the per-step curves), so that
-        # tests/test_simulate.py can compare the model with it again, deterministically.
+        # tests/unit/simulate/test_simulate.py can compare the model with it again, deterministically.
         "measured": {
             "machine": measured["machine"],
             "replicas": measured["replicas"],

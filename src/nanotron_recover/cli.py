@@ -16,8 +16,9 @@ from pathlib import Path
 
 from .config import HFDatasetArgs, NanosetDatasetsArgs, add_config_arguments, load_config
 from .errors import ExitCode, InputError, StopRun
-from .launcher import default_run_dir, last_committed_step, launch, target_step_of
+from .launcher import default_run_dir, launch, target_step_of
 from .outcome import SUPERVISED_ENV, read_outcome, write_outcome
+from .supervisor import last_committed_step
 
 
 # -- train ------------------------------------------------------------------------------------

@@ -20,8 +20,9 @@ from pathlib import Path
 
 from .config import Config, load_config
 from .data import ensure_local_dataset
-from .launcher import default_grace_s, heartbeat_of, supervise, train_command
+from .launcher import heartbeat_of, train_command
 from .logging import read_incidents
+from .supervisor import default_grace_s, supervise
 
 REPLICAS = 4
 

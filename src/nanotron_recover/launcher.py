@@ -1,52 +1,25 @@
-"""Starting a training job and deciding how it ended.
+"""``nanotron-recover launch``: the ``mpirun`` command line of a training job, and which supervisor
+runs it.
 
-Two parts:
-
-- The command line: :func:`train_command` / :func:`mpirun_command` build ``mpirun`` (from the
-  installed Open MPI) running ``nanotron-recover train`` on every rank, with ULFM and its heartbeat
-  failure detector on in the fault-tolerant mode.
-- The supervisor: :func:`supervise` runs that command and turns ``<run_dir>/outcome.json`` (see
-  :mod:`.outcome`) into the exit status. ``mpirun``'s own status says little under ULFM: ranks that
-  leave by SIGKILL do not fail the job, so a job whose every replica died can end with status 0.
-  So the exit status is the outcome's (0 only when every requested step was committed), and no
-  record at all is a failure.
-
-  The supervisor also ends what the run leaves behind. A rank that froze (SIGSTOP, a hung device) is
-  removed from the job by the survivors, but it still exists as a process and ``mpirun`` waits for it
-  forever. Once the run has recorded that it completed and ``mpirun`` has still not exited after a
-  grace period, the supervisor terminates ``mpirun``'s whole session (it runs in a session of its own, so
-  nothing else is touched) and says which processes it ended.
-
-``python -m nanotron_recover.launcher supervise --run-dir D --grace-s G -- CMD...`` runs the
-supervisor around any command; the Slurm job script uses it that way.
+:func:`train_command` / :func:`mpirun_command` build ``mpirun`` (from the installed Open MPI)
+running ``nanotron-recover train`` on every rank, with ULFM and its heartbeat failure detector on in
+the fault-tolerant mode. :func:`launch` validates the config once, then hands the command to the
+supervisor (:mod:`.supervisor`: the exit status from the run's outcome record, and a relaunch after
+a lost node) or, for the checkpoint-restart baseline, to its relaunch loop (:mod:`.restart`).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from .config import Config, load_config
 from .errors import InputError
 from .ft.heartbeat import heartbeat_mca
-from .logging.metrics import read_metrics
-from .outcome import SUPERVISED_ENV, clear_outcome, exit_code_of, read_outcome
-
-PREFIX = "nanotron-recover launch"
-POLL_S = 0.5  # how often the supervisor looks for the outcome record while mpirun runs
-TERM_WAIT_S = 5.0  # between SIGTERM and SIGKILL when ending leftover processes
-LINGER_S = 3.0  # how long processes may outlive mpirun before they count as left behind
-GRACE_EXTRA_S = 10.0
-# Set for the supervised command: its ranks leave printing a recorded stop to the supervisor.
+from .restart import run_with_restarts
+from .supervisor import default_grace_s, launch_env, run_relaunching, supervise
 
 
 # -- the command line ---------------------------------------------------------------------------
@@ -132,20 +105,6 @@ def train_command(
     return mpirun_command(nproc, program, ft=ft, heartbeat=heartbeat)
 
 
-def launch_env() -> dict[str, str]:
-    """Ranks see pipes, not the terminal: tell the logging rank to draw its progress line anyway."""
-    env = dict(os.environ)
-    if sys.stderr.isatty():
-        env.setdefault("NANOTRON_RECOVER_PROGRESS", "1")
-    return env
-
-
-def default_grace_s(heartbeat_timeout_s: float) -> float:
-    """How long after the outcome record mpirun may take to exit: two detector timeouts (the
-    survivors notice a frozen rank, then finalize past it) plus time to write and close files."""
-    return 2 * heartbeat_timeout_s + GRACE_EXTRA_S
-
-
 def target_step_of(cfg: Config, stop_after_step: int | None = None) -> int:
     """The last step a launch of ``cfg`` is asked to commit."""
     steps = cfg.tokens.train_steps
@@ -202,287 +161,16 @@ def launch(
     grace_s = default_grace_s(cfg.recover.heartbeat_timeout_s)
     target = target_step_of(cfg, stop_after_step)
     if restarts_enabled(cfg):
-        from .restart import run_with_restarts
-
         ck = cfg.checkpoints
         checkpoints = Path(ck.checkpoints_path) if ck.checkpoints_path else run_dir / "checkpoints"
         return run_with_restarts(cfg, run_dir, cmd, checkpoints, grace_s=grace_s, target_step=target)
+    if cfg.recover.forward:
+        return run_relaunching(
+            cmd,
+            run_dir,
+            grace_s=grace_s,
+            target_step=target,
+            env=launch_env(),
+            relaunches=cfg.recover.max_restarts,
+        )
     return supervise(cmd, run_dir, grace_s=grace_s, target_step=target, env=launch_env())
-
-
-# -- the supervisor -----------------------------------------------------------------------------
-@dataclass
-class Supervised:
-    """How one supervised command ended."""
-
-    exit_code: int  # what the launcher reports: exit_code_of(outcome)
-    returncode: int | None  # the command's own status; None when the supervisor had to end it
-    outcome: dict[str, Any] | None
-    ended: list[str] = field(default_factory=list)  # "pid N (name)" of leftovers the supervisor ended
-    interrupted_by: int | None = None  # a SIGINT/SIGTERM from the user, forwarded to the command
-
-
-def _log(prefix: str) -> Callable[[str], None]:
-    def log(line: str) -> None:
-        print(f"{prefix}: {line}", file=sys.stderr, flush=True)
-
-    return log
-
-
-def _session_members(sid: int) -> list[tuple[int, str]]:
-    """(pid, name) of the live processes of session ``sid`` (Linux /proc; empty elsewhere)."""
-    members = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue  # gone meanwhile
-        # "pid (comm) state ppid pgrp session ...": comm may itself hold spaces and parentheses.
-        name = stat[stat.find("(") + 1 : stat.rfind(")")]
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 3 and int(fields[3]) == sid and fields[0] != "Z":  # a zombie needs no ending
-            members.append((int(entry), name))
-    return sorted(members)
-
-
-def _signal_session(sid: int, sig: int) -> None:
-    # The process group first (the session leader's group holds mpirun and, normally, its ranks),
-    # then each member of the session one by one, for any that moved to a group of its own.
-    try:
-        os.killpg(sid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for pid, _ in _session_members(sid):
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def end_session(proc: subprocess.Popen, term_wait_s: float = TERM_WAIT_S) -> list[str]:
-    """SIGTERM every process of ``proc``'s session (``proc`` was started with
-    ``start_new_session``), SIGKILL what is left ``term_wait_s`` later; "pid N (name)" of each."""
-    sid = proc.pid
-    members = _session_members(sid)
-    if not members and proc.poll() is None:  # no /proc here: name the one process known
-        members = [(proc.pid, Path(str(proc.args[0] if isinstance(proc.args, list) else proc.args)).name)]
-    _signal_session(sid, signal.SIGTERM)
-    deadline = time.monotonic() + term_wait_s
-    while time.monotonic() < deadline:
-        proc.poll()  # reap it, so that it does not stay behind as a zombie member
-        if not _session_members(sid) and proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    _signal_session(sid, signal.SIGKILL)  # also ends a SIGSTOPped process, which SIGTERM cannot
-    proc.wait()
-    return [f"pid {pid} ({name})" for pid, name in members]
-
-
-def _wait_empty(sid: int, timeout_s: float) -> bool:
-    """Wait up to ``timeout_s`` for session ``sid`` to have no process left; whether some remain."""
-    deadline = time.monotonic() + timeout_s
-    while _session_members(sid):
-        if time.monotonic() >= deadline:
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def _install_forwarding(proc: subprocess.Popen, received: list[int]) -> dict[int, Any]:
-    """Forward the user's SIGINT/SIGTERM to the command's process group: it runs in a session of
-    its own, so a Ctrl-C at the terminal or a scancel reaches only the supervisor. A second signal
-    SIGKILLs the whole session."""
-
-    def forward(signum: int, frame: object) -> None:
-        received.append(signum)
-        _signal_session(proc.pid, signum if len(received) == 1 else signal.SIGKILL)
-
-    previous: dict[int, Any] = {}
-    try:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, forward)
-    except ValueError:
-        pass  # not the main thread: signals stay with whoever handles them there
-    return previous
-
-
-def run_supervised(
-    cmd: list[str],
-    run_dir: str | Path,
-    *,
-    grace_s: float,
-    env: dict[str, str] | None = None,
-    timeout_s: float | None = None,
-    log: Callable[[str], None] | None = None,
-    term_wait_s: float = TERM_WAIT_S,
-) -> Supervised:
-    """Run ``cmd`` (usually mpirun) in a session of its own until it exits, or until ``grace_s``
-    after the run recorded that it completed; then end whatever of it is left.
-
-    The outcome record of an earlier launch is cleared first, so only this run's counts. Raises
-    :class:`subprocess.TimeoutExpired` (after ending the session) when ``timeout_s`` passes.
-    """
-    log = log or _log(PREFIX)
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    clear_outcome(run_dir)
-    received: list[int] = []
-    env = dict(os.environ if env is None else env)
-    env[SUPERVISED_ENV] = "1"
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    previous = _install_forwarding(proc, received)
-    started = time.monotonic()
-    recorded_at: float | None = None
-    ended: list[str] = []
-    returncode: int | None = None
-    try:
-        while True:
-            try:
-                returncode = proc.wait(timeout=POLL_S)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            now = time.monotonic()
-            if timeout_s is not None and now - started > timeout_s:
-                end_session(proc, term_wait_s)
-                raise subprocess.TimeoutExpired(cmd, timeout_s)
-            if recorded_at is None:
-                # Only a completed run: a stopped record may come from one rank while the others
-                # still save their checkpoint or go on without it.
-                outcome = read_outcome(run_dir)
-                if outcome is not None and outcome.get("status") == "completed":
-                    recorded_at = now
-            elif now - recorded_at > grace_s:
-                ended = end_session(proc, term_wait_s)
-                outcome = read_outcome(run_dir)
-                log(
-                    f"the run {_describe(outcome)} but mpirun had not exited {grace_s:g}s later: "
-                    f"ended {', '.join(ended) or f'process group {proc.pid}'}"
-                )
-                break
-        # mpirun gone by itself: anything still in its session a moment later (an orphaned rank)
-        # goes too. The moment lets helpers that exit with their parent (W&B's service) do so.
-        if returncode is not None and _wait_empty(proc.pid, LINGER_S):
-            ended = end_session(proc, term_wait_s)
-            log(f"mpirun exited (status {returncode}) leaving processes behind: ended {', '.join(ended)}")
-    except BaseException:
-        if proc.poll() is None:
-            end_session(proc, term_wait_s)
-        raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    outcome = read_outcome(run_dir)
-    return Supervised(
-        exit_code=exit_code_of(outcome),
-        returncode=returncode,
-        outcome=outcome,
-        ended=ended,
-        interrupted_by=received[0] if received else None,
-    )
-
-
-def _describe(outcome: dict[str, Any] | None) -> str:
-    if outcome is None:
-        return "ended"
-    steps = f"step {outcome.get('last_step')} of {outcome.get('target_step')}"
-    return f"{'completed' if outcome.get('status') == 'completed' else 'stopped'} ({steps})"
-
-
-def last_committed_step(run_dir: str | Path) -> int:
-    """The last step in ``<run_dir>/metrics.jsonl`` (0 without one)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    return max((r["step"] for r in read_metrics(path)), default=0)
-
-
-def report(
-    result: Supervised,
-    run_dir: str | Path,
-    *,
-    target_step: int | None = None,
-    log: Callable[[str], None] | None = None,
-) -> int:
-    """Say in one line why a run did not complete (or why a non-zero mpirun status is not a
-    failure); the exit status to report."""
-    log = log or _log(PREFIX)
-    outcome = result.outcome
-    if result.exit_code == 0:
-        if result.returncode not in (0, None):
-            log(
-                f"mpirun exited with status {result.returncode}, but the run {_describe(outcome)}: "
-                "exit status 0"
-            )
-        return 0
-    if outcome is None:
-        last = last_committed_step(run_dir)
-        of = f" of {target_step}" if target_step is not None else ""
-        if result.interrupted_by is not None:
-            why = f"interrupted by {signal.Signals(result.interrupted_by).name}"
-        else:
-            why = "no outcome record (every replica lost, or killed from outside)"
-        log(f"run ended without completing: {why}; last committed step {last}{of}")
-    elif outcome.get("message"):
-        log(str(outcome["message"]).replace("\n", " "))
-    else:
-        log(f"run {_describe(outcome)}, exit status {result.exit_code}")
-    return result.exit_code
-
-
-def supervise(
-    cmd: list[str],
-    run_dir: str | Path,
-    *,
-    grace_s: float,
-    target_step: int | None = None,
-    env: dict[str, str] | None = None,
-    timeout_s: float | None = None,
-    prefix: str = PREFIX,
-) -> int:
-    """:func:`run_supervised` then :func:`report`: run ``cmd`` and return the run's exit status,
-    0 only when its outcome record says every requested step was committed."""
-    log = _log(prefix)
-    result = run_supervised(cmd, run_dir, grace_s=grace_s, env=env, timeout_s=timeout_s, log=log)
-    return report(result, run_dir, target_step=target_step, log=log)
-
-
-# -- python -m nanotron_recover.launcher supervise ... -- CMD ---------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    """``supervise --run-dir D [--grace-s G] [--target-step M] -- CMD...``: the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    split = argv.index("--") if "--" in argv else len(argv)
-    own, cmd = argv[:split], argv[split + 1 :]
-    parser = argparse.ArgumentParser(
-        prog="python -m nanotron_recover.launcher",
-        description="run a training command; exit with the status its outcome.json records",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser(
-        "supervise", usage="%(prog)s --run-dir D [options] -- CMD...", help="run CMD under the supervisor"
-    )
-    p.add_argument("--run-dir", required=True, help="where the run writes outcome.json and metrics.jsonl")
-    p.add_argument(
-        "--grace-s",
-        type=float,
-        default=default_grace_s(5.0),
-        help="seconds after the run recorded completion before leftovers are ended (default: %(default)s)",
-    )
-    p.add_argument("--target-step", type=int, help="the step the run was asked to reach (for messages)")
-    p.add_argument("--prefix", default=PREFIX, help="what each line the supervisor prints starts with")
-    args = parser.parse_args(own)
-    if not cmd:
-        p.error("no command after --")
-    return supervise(
-        cmd, args.run_dir, grace_s=args.grace_s, target_step=args.target_step, prefix=args.prefix
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,7 +14,7 @@ injected death is a real error, not a fault to ride out: the launcher stops ther
 whose outcome record (``<run_dir>/outcome.json``) says it stopped on bad input, an I/O error or a
 deterministic exception, with that stop's exit status.
 
-Each launch runs under the supervisor of :mod:`.launcher`: success is the run's own record that it
+Each launch runs under the supervisor of :mod:`.supervisor`: success is the run's own record that it
 committed every step, never mpirun's status alone.
 """
 
@@ -28,9 +28,9 @@ from pathlib import Path
 from .checkpoint import latest_step
 from .config import Config
 from .ft.faults import read_deaths
-from .launcher import default_grace_s, launch_env, report, run_supervised, target_step_of
 from .logging import IncidentLog, read_metrics
 from .logging.wandb_logger import RunLogger, run_name_for_config
+from .supervisor import default_grace_s, launch_env, report, run_supervised
 
 # Stops that are not faults to ride out: a relaunch would meet the same input, disk or exception.
 NOT_FAULTS = ("input", "io", "deterministic")
@@ -66,9 +66,9 @@ def run_with_restarts(
     env: dict[str, str] | None = None,
 ) -> int:
     """Run ``launch_cmd`` (an mpirun command line) under the supervisor until the run completes;
-    returns the final exit status (see :func:`.launcher.run_supervised`)."""
+    returns the final exit status (see :func:`.supervisor.run_supervised`)."""
     grace_s = default_grace_s(cfg.recover.heartbeat_timeout_s) if grace_s is None else grace_s
-    target_step = target_step_of(cfg) if target_step is None else target_step
+    target_step = cfg.tokens.train_steps if target_step is None else target_step
     env = launch_env() if env is None else env
     restarts: list[Restart] = []
     while True:

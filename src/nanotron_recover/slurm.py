@@ -38,7 +38,8 @@ from pathlib import Path
 
 from .config import Config, add_config_arguments, load_config
 from .errors import InputError
-from .launcher import default_grace_s, heartbeat_flags, heartbeat_of
+from .launcher import heartbeat_flags, heartbeat_of
+from .supervisor import default_grace_s
 
 # Shipped inside the package (slurm/ in the repository links to it) so installed copies find it.
 DEFAULT_TEMPLATE = Path(__file__).resolve().parent / "templates" / "nanotron_recover.sbatch.in"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from nanotron_recover import launcher
+from nanotron_recover import launcher, supervisor
 from nanotron_recover.cli import main
 from nanotron_recover.config import load_config
 from nanotron_recover.errors import ExitCode
@@ -27,7 +27,7 @@ from nanotron_recover.slurm import render_sbatch
 from tests.helpers.mpirun_utils import REPO, run_cli, run_process, single_rank_env
 
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
-SUPERVISE = [sys.executable, "-m", "nanotron_recover.launcher", "supervise"]
+SUPERVISE = [sys.executable, "-m", "nanotron_recover.supervisor", "supervise"]
 HEARTBEAT = ["recover.heartbeat_period_s=0.5", "recover.heartbeat_timeout_s=3"]
 # The detector is for forward recovery only (a plain run's MPI_Finalize blocks with it on).
 FORWARD = ["recover.enabled=true", *HEARTBEAT]
@@ -210,7 +210,7 @@ def test_run_supervised_reports_the_leftovers_it_ended(tmp_path: Path):
         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(600)\n",
     )
     lines: list[str] = []
-    result = launcher.run_supervised(
+    result = supervisor.run_supervised(
         cmd, tmp_path / "run", grace_s=0.5, log=lines.append, term_wait_s=0.5, timeout_s=60
     )
     fake_pid = int((tmp_path / "fake.pid").read_text())
@@ -224,18 +224,20 @@ def test_run_supervised_reports_the_leftovers_it_ended(tmp_path: Path):
 def test_run_supervised_timeout_ends_the_command(tmp_path: Path):
     cmd = fake_mpirun(tmp_path, "time.sleep(600)\n")
     with pytest.raises(subprocess.TimeoutExpired):
-        launcher.run_supervised(cmd, tmp_path / "run", grace_s=1, timeout_s=2, term_wait_s=0.5)
+        supervisor.run_supervised(cmd, tmp_path / "run", grace_s=1, timeout_s=2, term_wait_s=0.5)
     assert not alive(int((tmp_path / "fake.pid").read_text()))
 
 
 # -- a real launch --------------------------------------------------------------------------------
 @pytest.mark.mpi
 def test_launch_where_every_replica_dies_exits_non_zero(tmp_path: Path):
-    """Both replicas SIGKILLed at step 2: mpirun itself exits 0 under ULFM, the launch must not."""
+    """Both replicas SIGKILLed at step 2 and no relaunch allowed: mpirun itself exits 0 under ULFM,
+    the launch must not (with relaunches, tests/integration/test_supervisor.py)."""
     run_dir = tmp_path / "run"
     sets = [
         "tokens.train_steps=4",
         "recover.enabled=true",
+        "recover.max_restarts=0",
         "recover.faults=[{step: 2, replica: 0}, {step: 2, replica: 1}]",
     ]
     args = ["launch", "--config", TINY, "--run-dir", str(run_dir)]
@@ -263,7 +265,7 @@ def test_launch_puts_the_configs_heartbeat_on_the_mpirun_line(monkeypatch, capsy
         calls.append((cmd, run_dir, kwargs))
         return 0
 
-    monkeypatch.setattr(launcher, "supervise", fake_supervise)
+    monkeypatch.setattr(launcher, "run_relaunching", fake_supervise)
     sets = [a for s in FORWARD for a in ("--set", s)]
     assert main(["launch", "--config", TINY, "--run-dir", str(tmp_path / "r"), *sets]) == 0
 
@@ -273,6 +275,7 @@ def test_launch_puts_the_configs_heartbeat_on_the_mpirun_line(monkeypatch, capsy
     assert DETECTOR in printed and "--with-ft ulfm" in printed
     assert run_dir == tmp_path / "r"
     assert kwargs["grace_s"] == 2 * 3 + 10 and kwargs["target_step"] == 20
+    assert kwargs["relaunches"] == 100  # recover.max_restarts: forward recovery relaunches a lost job
 
 
 def test_no_heartbeat_without_ulfm():
@@ -296,7 +299,7 @@ def test_sbatch_script_turns_the_heartbeat_on_and_exits_with_the_outcome(tmp_pat
     flat = " ".join(script.replace("\\\n", " ").split())  # bash line continuations joined
     assert DETECTOR in flat
     assert (
-        '-m nanotron_recover.launcher supervise --run-dir "$RUN_DIR" --grace-s 16 --target-step 20'
+        '-m nanotron_recover.supervisor supervise --run-dir "$RUN_DIR" --grace-s 16 --target-step 20'
     ) in flat
     assert "set -eo pipefail" in script and 'exit "$status"' in script
     path = tmp_path / "job.sbatch"

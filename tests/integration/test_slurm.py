@@ -442,7 +442,7 @@ def test_slurm_job_recovers_forward_like_a_plain_run(slurm, local_dataset, tmp_p
     script = (run_dir / "job.sbatch").read_text()
     assert "#SBATCH --ntasks-per-node=2" in script and "--gpus-per-node" not in script
     assert "--oversubscribe" in script and "NANOTRON_RECOVER_DEVICE=cpu" in script
-    assert "-m nanotron_recover.launcher supervise" in script and "--mca mpi_ft_detector true" in script
+    assert "-m nanotron_recover.supervisor supervise" in script and "--mca mpi_ft_detector true" in script
     assert (run_dir / "logs" / f"job-{job_id}" / "train.log").exists()
     assert read_outcome(run_dir)["status"] == "completed", "COMPLETED because the run recorded it"
     assert f"job {job_id} finished" in log.read_text() and "exit status 0" in log.read_text()
