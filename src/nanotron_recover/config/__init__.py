@@ -32,6 +32,7 @@ from .schema import (
     RejoinArgs,
     TokenizerArgs,
     TokensArgs,
+    WandbArgs,
 )
 from .validate import check_world_size, config_notes, validate_config
 
@@ -95,6 +96,7 @@ __all__ = [
     "RejoinArgs",
     "TokenizerArgs",
     "TokensArgs",
+    "WandbArgs",
     "add_config_arguments",
     "apply_override",
     "check_world_size",

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from ..logging.wandb_logger import WandbArgs
 from .loader import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -371,6 +370,23 @@ class CheckpointsArgs:
 
 # Nanotron's log levels. Console output here has no levels: another than info is noted.
 LogLevel = Literal["debug", "info", "warning", "error", "critical", "passive"]
+
+
+# How a W&B run is written (see logging/wandb_logger.py for how null resolves).
+WandbMode = Literal["online", "offline", "disabled"]
+
+
+@dataclass
+class WandbArgs:
+    """The ``logging.wandb`` config section; absent (null) means no W&B at all."""
+
+    project: str = "nanotron-recover"
+    entity: str | None = None
+    group: str | None = None
+    # null: online when an API key is available, offline otherwise (see logging/wandb_logger.py).
+    mode: WandbMode | None = None
+    # null: the run name the trainer derives from the recovery mode (see run_name_for).
+    name: str | None = None
 
 
 @dataclass

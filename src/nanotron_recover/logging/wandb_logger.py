@@ -11,8 +11,9 @@ for the W&B host) and ``offline`` when not. Offline runs are written under ``<ru
 can be uploaded later with ``wandb sync <run_dir>/wandb/offline-run-*``. An online run whose init
 fails (say the network is down) is retried offline before giving up.
 
-This module imports ``wandb`` only inside :meth:`RunLogger.start`, so :class:`WandbArgs` can be
-part of the config schema without making ``wandb`` a hard dependency.
+The ``logging.wandb`` section itself (:class:`~nanotron_recover.config.schema.WandbArgs`) is part of
+the config; this module imports ``wandb`` only inside :meth:`RunLogger.start`, so ``wandb`` is not a
+hard dependency.
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ import netrc
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlparse
 
-WandbMode = Literal["online", "offline", "disabled"]
+from ..config import WandbArgs
 
 # Columns of the W&B incidents table, in order; lists are shown as text, counts as numbers.
 INCIDENT_COLUMNS = [
@@ -44,19 +44,6 @@ INCIDENT_COLUMNS = [
     "detect_s",
     "recover_s",
 ]
-
-
-@dataclass
-class WandbArgs:
-    """The ``logging.wandb`` config section; absent (null) means no W&B at all."""
-
-    project: str = "nanotron-recover"
-    entity: str | None = None
-    group: str | None = None
-    # null: online when an API key is available, offline otherwise (see the module docstring).
-    mode: WandbMode | None = None
-    # null: the run name the trainer derives from the recovery mode (see run_name_for).
-    name: str | None = None
 
 
 def run_name_for(mode: str, interval: int | None = None) -> str:
