@@ -17,6 +17,8 @@ Kinds (:class:`Kind`), what a rank knows about why a replica was lost or the job
 - ``input``, ``too_few_replicas``: stops that are not a replica failure (bad input, fewer than
   ``recover.min_replicas`` replicas left).
 - ``rejoin``: an incident of the re-join (joined, failed, given up), never a failure record.
+- ``node_lost``, ``job_lost``: the job was relaunched inside its allocation, after a host was lost
+  (the runtime ends the whole job then) or after every replica was lost; never a failure record.
 
 Phases (:class:`Phase`), where a rank is in a step: the ones a fault can be injected at
 (:data:`INJECTABLE_PHASES`) and the ones a rank reports when it leaves.
@@ -51,6 +53,8 @@ class Kind(_Name):
     INPUT = "input"
     TOO_FEW_REPLICAS = "too_few_replicas"
     REJOIN = "rejoin"
+    NODE_LOST = "node_lost"  # the job was relaunched after a host was lost
+    JOB_LOST = "job_lost"  # the job was relaunched after every replica was lost, no host lost
 
 
 class Phase(_Name):

@@ -19,6 +19,7 @@ import torch
 from nanotron_recover.config import load_config
 from nanotron_recover.data_parallel.forward import ForwardRecovery
 from nanotron_recover.data_parallel.protocol import ReducedStep, ReplicaParts
+from nanotron_recover.engines.state import EngineState
 from nanotron_recover.errors import StopRun
 from nanotron_recover.ft.faults import FaultInjector
 from nanotron_recover.parallel.world import World
@@ -60,6 +61,9 @@ class Engine:
         self.event_hook = None
         self.batches: list[list[int]] = []  # the ids of each train_batch call
 
+    def export_state(self) -> EngineState:
+        return EngineState({"grads": self.grads_flat.clone()}, {})
+
     def train_batch(self, microbatches: list[torch.Tensor], loss_scale: float) -> list[float]:
         ids = [int(mb[0]) for mb in microbatches]
         self.batches.append(ids)
@@ -100,6 +104,7 @@ class Replica:
                 f"tokens.batch_accumulation_per_replica={G}",
                 "recover.watchdog_timeout_s=null",
                 f"recover.bucket_size_mb={BUCKET * 4 / 2**20}",
+                f"recover.snapshot.dir={run_dir / 'shm'}",
                 *sets,
             ],
         )

@@ -499,6 +499,22 @@ class RejoinArgs:
 
 
 @dataclass
+class SnapshotArgs:
+    """Every rank's full training state in its node's memory after committed steps, so that a job
+    relaunched after a node loss starts from it without disk (docs/architecture.md, "Node loss")."""
+
+    # Snapshot after every interval-th committed step (0: never; the relaunch then uses the disk
+    # checkpoint).
+    interval: int = 1
+    # Node-local shared memory; a folder per run under it, removed when the run completes.
+    dir: str = "/dev/shm/nanotron-recover"
+    # A rank whose state is larger than this does not snapshot (null: no cap).
+    max_mb: float | None = None
+    # How many replicas of each (pp, tp) coordinate keep one, the lowest alive first (null: all).
+    replicas_per_coordinate: int | None = None
+
+
+@dataclass
 class RecoverArgs:
     """Forward recovery across data-parallel replicas (off by default)."""
 
@@ -507,7 +523,8 @@ class RecoverArgs:
     # comparison: on a failure the whole job is relaunched on as many ranks and resumes from the last
     # checkpoint (checkpoints.checkpoint_interval), recomputing the lost steps.
     mode: Literal["forward", "checkpoint_restart"] = "forward"
-    # checkpoint_restart: relaunches before giving up.
+    # Relaunches of the whole job before giving up: checkpoint_restart after any failure; forward
+    # after a lost node (or a job that lost every replica), from the node-memory snapshots.
     max_restarts: int = 100
     # The DP reduction runs in buckets of this size; each bucket is snapshotted before it is reduced.
     bucket_size_mb: float = 25.0
@@ -545,6 +562,8 @@ class RecoverArgs:
     random_faults: RandomFaults | None = None
     # Growing back to full width after a replica is lost (forward recovery only).
     rejoin: RejoinArgs = field(default_factory=RejoinArgs)
+    # Node-memory snapshots for a relaunch after a node loss (forward recovery only).
+    snapshot: SnapshotArgs = field(default_factory=SnapshotArgs)
 
     @property
     def forward(self) -> bool:

@@ -713,6 +713,22 @@ def _validate_recover(cfg: Config, check_paths: bool = True) -> None:
     if (r.faults or rf is not None) and not r.enabled:
         raise ConfigError("recover.faults / recover.random_faults need recover.enabled: true")
     _validate_rejoin(cfg, check_paths)
+    _validate_snapshot(cfg)
+
+
+def _validate_snapshot(cfg: Config) -> None:
+    """``recover.snapshot``: its ranges (the folder is made when the first snapshot is written)."""
+    n, where = cfg.recover.snapshot, "recover.snapshot"
+    if n.interval < 0:
+        raise ConfigError(f"{where}.interval must be >= 0 (0: no snapshots), got {n.interval}")
+    if n.max_mb is not None and n.max_mb <= 0:
+        raise ConfigError(f"{where}.max_mb must be > 0 or null (no cap), got {n.max_mb}")
+    if n.replicas_per_coordinate is not None and n.replicas_per_coordinate < 1:
+        raise ConfigError(
+            f"{where}.replicas_per_coordinate must be >= 1 or null (every replica), got {n.replicas_per_coordinate}"
+        )
+    if not n.dir.strip():
+        raise ConfigError(f"{where}.dir is empty: name a node-local folder, e.g. /dev/shm/nanotron-recover")
 
 
 # A host of recover.rejoin.hosts: a name, optionally with a slot count ("node7", "node7:4").

@@ -27,6 +27,7 @@ from typing import Any
 from ...failures import Kind, incident_kind
 from ...ft.records import read_records
 from ...ft.world import RecoveryResult
+from ...generation import Relaunch
 from ...logging import IncidentLog
 from .members import Members
 from .rank_state import RankState
@@ -153,6 +154,34 @@ class Incidents:
         except OSError as e:
             print(f"[nanotron-recover] incident not logged: {e}", file=sys.stderr, flush=True)
         self.s.parts.log_incident(record)
+
+    # -- relaunch incidents --------------------------------------------------------------------
+    def relaunched(self, first_step: int, relaunch: Relaunch, state_from: str) -> None:
+        """The relaunch this job is (a lost node, or every replica lost), written by the logging
+        rank once the job committed its first step: ``restart_s`` runs from the end of the previous
+        job to this commit; the steps after the restored one were redone with the same ids."""
+        if not self.members.is_logger():
+            return
+        self.members.check_member()
+        restored = first_step - 1
+        record = {
+            "step": first_step,
+            "kind": relaunch.cause,
+            "generation": relaunch.generation,
+            "hosts_lost": relaunch.hosts_lost,
+            "hosts": relaunch.hosts,
+            "restart_s": max(0.0, time.time() - relaunch.ended_at),
+            "state_from": state_from,
+            "restored_step": restored,
+            "steps_redone": max(0, relaunch.last_committed - restored),
+            "alive_replicas": self.s.ftc.alive_replicas,
+        }
+        self._append(record)
+        lost = f"hosts {relaunch.hosts_lost} lost" if relaunch.hosts_lost else "every replica lost"
+        self.s.parts.write_line(
+            f"[nanotron-recover] step {first_step}: relaunched ({lost}) from the {state_from} of step "
+            f"{restored} in {record['restart_s']:.1f} s; {record['steps_redone']} steps redone"
+        )
 
     # -- re-join incidents ---------------------------------------------------------------------
     def rejoin(self, step: int, fields: dict[str, Any]) -> None:

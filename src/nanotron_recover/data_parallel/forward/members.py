@@ -32,6 +32,7 @@ from ...ft.liveness import SpawnedMonitor
 from ...ft.processes import ProcessInfo, reap
 from ...ft.records import write_record
 from ...ft.world import RecoveryResult
+from ...generation import read_generation
 from .rank_state import RankState
 
 
@@ -106,10 +107,19 @@ class Members:
         return self.s.run_dir / "fence" / f"{info.host}-{info.pid}"
 
     def check_member(self) -> None:
-        """Before writing shared files: a rank removed from the job (frozen, then woken up) must not."""
+        """Before writing shared files: a rank removed from the job (frozen, then woken up), or one
+        of an older generation of a relaunched job (cut off, then reconnected), must not."""
         ftc = self.s.ftc
         if self._fence_path(ftc.processes[ftc.rank]).exists():
             fail_stop(f"rank {ftc.rank} was removed from the job; not writing")
+        if not self.current_generation():
+            fail_stop(
+                f"rank {ftc.rank} belongs to generation {self.s.generation} of a relaunched job; not writing"
+            )
+
+    def current_generation(self) -> bool:
+        """Whether this process still belongs to the job's current generation."""
+        return read_generation(self.s.run_dir) == self.s.generation
 
     def fence(self, failed_ranks: tuple[int, ...]) -> None:
         """Mark removed processes so that one that wakes up later writes nothing (see check_member)."""

@@ -39,6 +39,7 @@ from ...ft.failstop import Watchdog
 from ...ft.faults import FaultInjector
 from ...ft.replica_world import init_replica_world
 from ...ft.world import AllReplicasFailed, WorldChanged
+from ...generation import Relaunch, read_generation, read_relaunch
 from ...parallel.context import ParallelContext
 from ...parallel.world import World
 from ..protocol import JoinedState, Parked, ReducedStep, ReplicaParts
@@ -46,6 +47,8 @@ from .incidents import Incidents
 from .members import Members
 from .rank_state import RankState
 from .rejoin import Rejoin
+from .restore import restore_from_snapshots, snapshot_layout_id, snapshot_run_id
+from .snapshots import NodeSnapshots
 from .step import StepTransaction
 from .stops import StopJob, Stops
 
@@ -60,6 +63,7 @@ def _ends_here(method: Callable[..., T]) -> Callable[..., T]:
         try:
             return method(self, *args, **kwargs)
         except StopJob as job:
+            self._end_snapshots()
             self.stops.exit(job)
         except Parked as parked:
             parked.wait_for_rejoin = self._wait_for_rejoin
@@ -77,6 +81,9 @@ class ForwardRecovery:
         self.stops = Stops(s, self.members, self.incidents)
         self.rejoin = Rejoin(s, self.members, self.incidents, self.stops)
         self.steps = StepTransaction(s, self.members, self.incidents, self.stops, self.rejoin)
+        self.snapshots: NodeSnapshots | None = None
+        self.relaunch: Relaunch | None = None  # this job's relaunch record, until its incident
+        self.state_from: str | None = None  # where a relaunched job's state came from
 
     # -- set-up ----------------------------------------------------------------------------
     def setup_world(self) -> tuple[World, ParallelContext, JoinedState | None]:
@@ -90,6 +97,7 @@ class ForwardRecovery:
             "on_failure_notice": self.members.on_failure_notice,
             "park_orphans": s.rejoin_on,
         }
+        s.generation = read_generation(s.run_dir)
         if MPI.Comm.Get_parent() != MPI.COMM_NULL:
             try:
                 joined = self.rejoin.start_spawned(callbacks)
@@ -109,7 +117,61 @@ class ForwardRecovery:
         if s.ftc.rank == 0:
             self.members.write_rank_table()
         self.members.watch_spawned_processes()
-        return world, ctx, None
+        return world, ctx, self._restore(world, ctx) if s.generation > 0 else None
+
+    # -- node-memory snapshots and relaunches ------------------------------------------------
+    def _snapshot_store(self) -> NodeSnapshots | None:
+        """This rank's node-memory snapshots (``snapshots.py``), None when they are off."""
+        s, n = self.s, self.s.args.snapshot
+        if not n.interval:
+            return None
+        if self.snapshots is None:
+            self.snapshots = NodeSnapshots(
+                Path(n.dir),
+                snapshot_run_id(s.cfg, s.run_dir),
+                snapshot_layout_id(s.cfg),
+                coordinate=s.ftc.local_rank,
+                replica=s.ftc.replica,
+                generation=s.generation,
+                max_bytes=None if n.max_mb is None else int(n.max_mb * 2**20),
+                may_publish=self.members.current_generation,
+            )
+        return self.snapshots
+
+    def _restore(self, world: World, ctx: ParallelContext) -> JoinedState | None:
+        """A relaunched job: the newest step every coordinate holds in some node's snapshot, or
+        None (the trainer resumes from the latest disk checkpoint, and says so)."""
+        s, store = self.s, self._snapshot_store()
+        self.relaunch = read_relaunch(s.run_dir)
+        at_most = None if self.relaunch is None else self.relaunch.last_committed
+        found = None
+        if store is not None:
+            found = restore_from_snapshots(s.ftc, store, s.cfg.parallelism.replica_size, at_most)
+        if found is None:
+            if s.ftc.rank == 0:
+                print(
+                    "[nanotron-recover] relaunched: no step is held by every coordinate in the nodes' "
+                    "snapshots; resuming from the latest disk checkpoint",
+                    flush=True,
+                )
+            return None
+        step, state = found
+        s.step = s.last_step = step
+        self.state_from = "snapshot"
+        return JoinedState(step=step, engine_state=state, world=world, ctx=ctx)
+
+    def _snapshot(self, step: int) -> None:
+        """After the commit of ``step``: this rank's state into node memory, on a thread."""
+        s, store = self.s, self._snapshot_store()
+        n = s.args.snapshot
+        if store is None or step % n.interval:
+            return
+        keep = n.replicas_per_coordinate
+        if keep is not None and s.ftc.alive_replicas.index(s.ftc.replica) >= keep:
+            return
+        if store.error is not None:
+            print(f"[nanotron-recover] rank {s.ftc.rank}: node snapshot failed: {store.error}", flush=True)
+        store.write(step, export=s.parts.engine.export_state)
 
     def attach(self, parts: ReplicaParts) -> None:
         self.s.parts = parts
@@ -130,16 +192,26 @@ class ForwardRecovery:
 
     @_ends_here
     def after_step(self, step: int) -> None:
-        self.s.last_step = step
-        if self.s.rejoin_on:
+        s = self.s
+        s.last_step = step
+        if self.relaunch is not None and self.relaunch.generation == s.generation:
+            # The first commit of a relaunched job: its incident (the first step is restored + 1).
+            state_from = self.state_from or ("checkpoint" if step > 1 else "start")
+            self.incidents.relaunched(step, self.relaunch, state_from)
+            self.relaunch = None
+        self._snapshot(step)
+        if s.rejoin_on:
             self.rejoin.join_point(step)
 
     @contextlib.contextmanager
     def local_phase(self, name: str) -> Iterator[None]:
+        if name == Phase.OPTIMIZER and self.snapshots is not None:
+            self.snapshots.wait_exported()  # the snapshot's copy first: the step changes the state
         try:
             with self.steps.local_phase(name):
                 yield
         except StopJob as job:
+            self._end_snapshots()
             self.stops.exit(job)
         except Parked as parked:
             parked.wait_for_rejoin = self._wait_for_rejoin
@@ -147,6 +219,8 @@ class ForwardRecovery:
 
     @_ends_here
     def _wait_for_rejoin(self) -> JoinedState:
+        if self.snapshots is not None:
+            self.snapshots.wait()  # the engine is about to be replaced
         return self.rejoin.wait()
 
     def request_stop(self, stop: StopRun) -> None:
@@ -174,6 +248,8 @@ class ForwardRecovery:
         failure struck during this last agree (the replica that was saving may be the one lost)."""
         s = self.s
         s.last_step = s.step = last_step
+        if self.snapshots is not None:
+            self.snapshots.wait()
         while True:
             try:
                 s.phase = Phase.FINISH
@@ -197,6 +273,14 @@ class ForwardRecovery:
             raise self.stops.agreed(stop, last_step)
         self.incidents.flush_rejoins()
         self.stops.complete(last_step)
+        self._end_snapshots()
+
+    def _end_snapshots(self) -> None:
+        """The job ended with an outcome (completed or stopped): nothing will be relaunched from
+        this node's snapshots."""
+        if self.snapshots is not None:
+            self.snapshots.wait()
+            self.snapshots.remove_run()
 
     def abort(self, error: BaseException) -> None:
         """Any other error escaping the step becomes a fail-stop: an exception exit would not be

@@ -50,6 +50,7 @@ class RankState:
     joining: bool = False  # a spawned process until its join commits
     parking: bool = False  # leaving a failed replica to wait for its re-join
     restore_handle: Any = None  # an asynchronous restore of stale buckets in flight
+    generation: int = 0  # relaunches of the job so far (``generation.py``), read at start-up
 
     @property
     def args(self) -> RecoverArgs:

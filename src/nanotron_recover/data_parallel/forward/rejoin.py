@@ -161,6 +161,8 @@ class Rejoin:
         """One re-join on a member: active ranks pass the due ``replicas``, parked ranks None (the
         root's plan reaches them). Returns the new state on a reused parked rank of a replica that
         came back, None elsewhere and on an abort."""
+        from ...ft.join import begin_join  # MPI only here: the parts need none at import
+
         s = self.s
         plan = None
         if replicas is not None:
@@ -181,7 +183,7 @@ class Rejoin:
         if not s.ftc.parked:
             s.injector.maybe_fail(Phase.REJOIN, 0)
         try:
-            pending = s.ftc.begin_join(plan, spawn_command(), self._spawn_info(), payload)
+            pending = begin_join(s.ftc, plan, spawn_command(), self._spawn_info(), payload)
         except JoinFailed as failed:
             if replicas is not None:
                 self.book.attempted(list(replicas), step, joined=False, spawn_failed=failed.could_not_start)
@@ -204,6 +206,8 @@ class Rejoin:
         """The last stages of a re-join, alike on members and spawned processes: move the state,
         commit, and on the re-joining replica build its torch world."""
         from mpi4py import MPI
+
+        from ...ft.join import commit_join
 
         s = self.s
         plan, payload, me = pending.plan, pending.payload, s.ftc.replica
@@ -229,7 +233,7 @@ class Rejoin:
                     pending.merged.Revoke()
                 except MPI.Exception:
                     pass
-        committed = s.ftc.commit_join(pending, ok)  # a spawned process dies here on an abort
+        committed = commit_join(s.ftc, pending, ok)  # a spawned process dies here on an abort
         if committed and me in rejoining:
             # A member now: the failure watch's grace applies again (a peer may die while the
             # replica's world is being built).
@@ -268,12 +272,12 @@ class Rejoin:
     def start_spawned(self, callbacks: dict[str, Any]) -> JoinedState:
         """A process spawned by a re-join: take a dead rank's place, receive its replica's state
         from a healthy replica, commit the join (or die with it), then build the replica's world."""
-        from ...ft.comm import FaultTolerantComm
+        from ...ft.join import join_parent
 
         s, p = self.s, self.s.cfg.parallelism
         s.joining = True
         start_heartbeat(s.run_dir, s.args.heartbeat_period_s)  # nobody else watches this process
-        s.ftc, pending = FaultTolerantComm.join_parent(p.inner, p.pp, p.dp, **callbacks)
+        s.ftc, pending = join_parent(p.inner, p.pp, p.dp, **callbacks)
         payload = pending.payload
         s.started = payload["started"]
         s.step = s.last_step = payload["step"]

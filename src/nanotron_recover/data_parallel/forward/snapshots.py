@@ -63,10 +63,13 @@ class NodeSnapshots:
         replica: int,
         generation: int = 0,
         max_bytes: int | None = None,
+        may_publish: Any = None,
     ) -> None:
         self.run_root = Path(root) / run_id
         self.layout_id, self.coordinate, self.replica = layout_id, coordinate, replica
         self.generation, self.max_bytes = generation, max_bytes
+        # Asked right before a snapshot is published: False for a process fenced off the job.
+        self.may_publish = may_publish or (lambda: True)
         self._thread: threading.Thread | None = None
         self._exported = threading.Event()
         self._exported.set()
@@ -144,6 +147,8 @@ class NodeSnapshots:
             "generation": self.generation,
             "layout_id": self.layout_id,
         }
+        if not self.may_publish():
+            raise PermissionError("not publishing a snapshot: this process no longer belongs to the job")
         tmp = target / f"{PUBLISHED}.tmp"
         tmp.write_text(json.dumps(record))
         os.replace(tmp, target / PUBLISHED)

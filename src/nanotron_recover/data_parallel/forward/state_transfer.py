@@ -2,7 +2,7 @@
 
 A re-join (``recover.rejoin.mode: spawn``) brings a lost replica back at a step boundary: its
 parked ranks (alive members of the failed replica, kept in the job) are reused, the dead ones are
-spawned (``ft/comm.py``, :meth:`~nanotron_recover.ft.comm.FaultTolerantComm.begin_join`), and every
+spawned (``ft/join.py``, :func:`~nanotron_recover.ft.join.begin_join`), and every
 rank of the replica receives the training state of the rank at the same ``(pp, tp)`` coordinate of
 a healthy replica, over that coordinate's DP communicator:
 

@@ -1,0 +1,79 @@
+"""State on a restart without disk: a relaunched job starts from the replicas' node-memory snapshots.
+
+When the job is relaunched inside its allocation after a node was lost (``supervisor.py``), the
+ranks of the new job land on the surviving nodes and on spare ones. Every data-parallel replica
+held the same state, so any replica's snapshot of a ``(pp, tp)`` coordinate will do:
+
+1. Each rank lists the steps its own node holds for its coordinate (``snapshots.py``).
+2. One allgather; every rank computes the same answer: the newest step that *every* coordinate
+   holds on some node of the new job (:func:`newest_common_step`). None: the run falls back to its
+   latest disk checkpoint, and says so.
+3. Per coordinate, the replicas whose node holds that step load it locally; the others (new or
+   spare nodes) receive it over the coordinate's DP communicator from a replica that has it, with
+   the re-join's state transfer (``state_transfer.py``).
+4. Training goes on with the step after it; the steps after the snapshot are redone with the same
+   micro-batch ids, so the curve is the fault-free curve.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from ...checkpoint import run_identity
+from ...config import Config
+from ...engines.state import EngineState
+from .snapshots import NodeSnapshots
+from .state_transfer import transfer_state
+
+
+def snapshot_run_id(cfg: Config, run_dir: Path) -> str:
+    """The run a snapshot belongs to: the trajectory's identity and the run directory (two runs of
+    one config in two directories never read each other's snapshots)."""
+    where = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:8]
+    return f"{run_identity(cfg)}-{where}"
+
+
+def snapshot_layout_id(cfg: Config) -> str:
+    """What a coordinate means: a snapshot is read only by the same layout inside a replica."""
+    p = cfg.parallelism
+    return f"tp{p.tp}-pp{p.pp}-shard{p.dp_shard}-{cfg.model.dtype}"
+
+
+def newest_common_step(holdings: list[tuple[int, list[int]]], coordinates: int) -> int | None:
+    """The newest step that every coordinate ``0 .. coordinates-1`` holds on some rank, from each
+    rank's ``(coordinate, steps held on its node)``; None when some coordinate holds nothing."""
+    held: dict[int, set[int]] = {c: set() for c in range(coordinates)}
+    for coordinate, steps in holdings:
+        held[coordinate].update(steps)
+    common = set.intersection(*held.values()) if held else set()
+    return max(common) if common else None
+
+
+def restore_from_snapshots(
+    ftc: object, snapshots: NodeSnapshots, coordinates: int, at_most: int | None = None
+) -> tuple[int, EngineState] | None:
+    """Steps 1-3 above on every rank of the new job: the step restored and this rank's state, or
+    None (no step is held by every coordinate: use the disk checkpoint). ``at_most``: the last step
+    the previous generation committed; a newer snapshot can only come from a process that was cut
+    off from the job and trained on alone, and is never used."""
+    mine = sorted({p.step for p in snapshots.available() if at_most is None or p.step <= at_most})
+    holdings = ftc.global_comm.allgather((ftc.local_rank, mine))
+    step = newest_common_step(holdings, coordinates)
+    if step is None:
+        return None
+    # Replicas of my coordinate whose node holds the step (the DP communicator orders by replica).
+    has = ftc.dp_comm.allgather((ftc.replica, step in mine))
+    donors = sorted(r for r, holds in has if holds)
+    receivers = sorted(r for r, holds in has if not holds)
+    if ftc.replica in donors and not receivers:
+        return step, snapshots.load(step)
+    transfer = transfer_state(
+        ftc.dp_comm, ftc.replica, donors, receivers, export=lambda: snapshots.load(step)
+    )
+    if not transfer.ok:
+        raise RuntimeError(
+            f"restoring step {step} from node snapshots failed: a peer was lost during the transfer"
+        )
+    state = transfer.received if ftc.replica in receivers else snapshots.load(step)
+    return step, state
