@@ -1,0 +1,164 @@
+"""The supervisor's relaunch (``supervisor.run_relaunching``): a job that ended without an outcome
+record after committing new steps is relaunched as a new generation and goes on from the replicas'
+node-memory snapshots (or, without them, from the disk checkpoint).
+
+The rule is checked with fake "mpirun" scripts (fast, no MPI); then real ``launch`` jobs have every
+rank SIGKILLed from outside at a moment the code does not choose, which ends the job the way a lost
+node does on a cluster (Open MPI's runtime kills every rank). Each relaunched run must exit 0 with
+every step committed, the fault-free run's micro-batch ids and losses, identical replicas, one
+relaunch incident, and its snapshots removed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from nanotron_recover.generation import read_relaunch
+from nanotron_recover.logging import read_incidents, read_metrics
+from nanotron_recover.outcome import read_outcome
+from tests.helpers.curves import assert_replicas_identical, assert_same_curve
+from tests.helpers.mpirun_utils import (
+    REPO,
+    BackgroundJob,
+    check,
+    layout,
+    process_exists,
+    run_cli,
+    run_process,
+)
+
+CONFIG = str(REPO / "configs" / "tiny_cpu.yaml")
+STEPS = 10
+HEARTBEAT = ["recover.heartbeat_period_s=1", "recover.heartbeat_timeout_s=5"]
+SUPERVISE = [sys.executable, "-m", "nanotron_recover.supervisor", "supervise"]
+
+
+# -- the rule, with fake jobs ---------------------------------------------------------------------
+def fake_job(tmp_path: Path, body: str) -> list[str]:
+    """A script standing in for mpirun; it counts its launches in ``launches`` and sees ``run_dir``."""
+    script = tmp_path / "fake_job.py"
+    script.write_text(
+        "import json\nfrom pathlib import Path\nfrom nanotron_recover.outcome import write_outcome\n"
+        f"run_dir, tmp = Path({str(tmp_path / 'run')!r}), Path({str(tmp_path)!r})\n"
+        "count = tmp / 'launches'\nn = int(count.read_text()) + 1 if count.exists() else 1\n"
+        "count.write_text(str(n))\nrun_dir.mkdir(parents=True, exist_ok=True)\n"
+        "def commit(step):\n"
+        "    with open(run_dir / 'metrics.jsonl', 'a') as f:\n"
+        "        f.write(json.dumps({'step': step, 'loss': 1.0}) + '\\n')\n" + body
+    )
+    return [sys.executable, str(script)]
+
+
+def supervise(tmp_path: Path, cmd: list[str], relaunches: int):
+    args = ["--run-dir", str(tmp_path / "run"), "--grace-s", "1", "--relaunches", str(relaunches)]
+    return run_process([*SUPERVISE, *args, "--", *cmd], timeout=120)
+
+
+def test_a_job_lost_after_new_steps_is_relaunched_as_the_next_generation(tmp_path):
+    body = (
+        "if n == 1:\n    commit(1); commit(2)\n"  # ends without an outcome, as a lost node's job does
+        "else:\n    commit(3)\n"
+        "    write_outcome(run_dir, status='completed', last_step=3, target_step=3, exit_code=0)\n"
+    )
+    result = supervise(tmp_path, fake_job(tmp_path, body), relaunches=2)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "launches").read_text() == "2"
+    relaunch = read_relaunch(tmp_path / "run")
+    assert relaunch is not None and relaunch.generation == 1
+    assert relaunch.cause == "job_lost" and relaunch.last_committed == 2 and relaunch.hosts_lost == []
+    assert (
+        "ended without an outcome after step 2 (every replica lost): relaunching it (generation 1"
+        in result.stderr
+    )
+
+
+@pytest.mark.parametrize("case", ["no_new_step", "no_relaunch_left"])
+def test_no_relaunch_without_progress_or_past_the_limit(tmp_path, case):
+    """A job that dies before committing a new step would die again; the limit is a limit."""
+    body = "commit(n)\n" if case == "no_relaunch_left" else "pass\n"
+    result = supervise(tmp_path, fake_job(tmp_path, body), relaunches=1)
+    assert result.returncode == 1
+    launches, why = (
+        (2, "recover.max_restarts=1 relaunches used")
+        if case == "no_relaunch_left"
+        else (1, "no step committed since the launch")
+    )
+    assert (tmp_path / "launches").read_text() == str(launches)
+    assert f"not relaunching: {why}" in result.stderr
+    assert "no outcome record" in result.stderr
+
+
+# -- real jobs, every rank killed from outside ------------------------------------------------------
+def sets_for(run_dir: Path, extra: list[str]) -> list[str]:
+    return [
+        f"tokens.train_steps={STEPS}",
+        f"checkpoints.checkpoints_path={run_dir / 'checkpoints'}",
+        "checkpoints.save_final_state=false",
+        "recover.watchdog_timeout_s=60",
+        "recover.gate_timeout_s=30",
+        f"recover.snapshot.dir={run_dir / 'node_memory'}",
+        *extra,
+    ]
+
+
+def cli_args(command: str, run_dir: Path, sets: list[str]) -> list[str]:
+    return [command, "--config", CONFIG, "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]]
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> list[dict]:
+    """The fault-free reference: one process, G=8 (B=8)."""
+    run_dir = tmp_path_factory.mktemp("plain")
+    check(run_cli(cli_args("train", run_dir, sets_for(run_dir, layout(1, 1, 1, 8)))))
+    return read_metrics(run_dir)
+
+
+def kill_every_rank(job: BackgroundJob, after_step: int) -> tuple[int, list[int]]:
+    """SIGKILL every rank of the job once it committed ``after_step``; (committed then, pids)."""
+    job.wait_until(lambda: job.committed() >= after_step, f"step {after_step}")
+    pids = [r["pid"] for r in json.loads((job.run_dir / "ranks.json").read_text())]
+    committed = job.committed()
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return committed, pids
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("state", ["snapshot", "checkpoint"])
+def test_every_rank_killed_from_outside_is_relaunched_and_goes_on(tmp_path, plain, state):
+    """``snapshot``: the relaunched job restores the newest step every coordinate holds in node
+    memory. ``checkpoint``: snapshots off, it resumes from the latest disk checkpoint instead."""
+    extra = ["recover.enabled=true", *HEARTBEAT, *layout(2, 1, 2, 4)]  # 2 replicas of tp=2: B=8
+    if state == "checkpoint":
+        extra += ["recover.snapshot.interval=0", "checkpoints.checkpoint_interval=2"]
+    job = BackgroundJob(tmp_path, cli_args("launch", tmp_path, sets_for(tmp_path, extra)))
+    committed, pids = kill_every_rank(job, after_step=4)
+    result = job.finish()
+
+    assert result.returncode == 0, result.output[-4000:]
+    outcome = read_outcome(tmp_path)
+    assert outcome["status"] == "completed" and outcome["last_step"] == STEPS
+    assert_same_curve(read_metrics(tmp_path), plain)
+    assert_replicas_identical(tmp_path, [0, 1])
+    assert not any(process_exists(p) for p in pids)
+    (incident,) = [i for i in read_incidents(tmp_path) if i["kind"] in ("job_lost", "node_lost")]
+    assert incident["kind"] == "job_lost" and incident["generation"] == 1 and incident["hosts_lost"] == []
+    assert incident["state_from"] == state
+    restored = incident["restored_step"]
+    if state == "snapshot":
+        # The kill may land before the newest commit's snapshot is published: one step older at most.
+        assert committed - 1 <= restored <= committed
+    else:
+        # The newest checkpoint (every 2 steps): the kill may land before the last one is written.
+        assert restored % 2 == 0 and committed - 3 <= restored <= committed
+    assert incident["step"] == restored + 1 and incident["steps_redone"] >= committed - restored
+    assert incident["restart_s"] > 0
+    assert "relaunching it (generation 1" in result.output
+    # Node memory is given back once the run completed.
+    assert not list((tmp_path / "node_memory").rglob("*.bin"))
