@@ -268,6 +268,8 @@ def render_sbatch(
         # The supervisor ends what is left of mpirun this long after the run recorded completion.
         "GRACE_S": f"{default_grace_s(cfg.recover.heartbeat_timeout_s):g}",
         "TARGET_STEP": str(cfg.tokens.train_steps),
+        # Forward recovery: a job ended by a lost node is relaunched inside the allocation.
+        "RELAUNCHES": str(cfg.recover.max_restarts if cfg.recover.forward else 0),
         "NCCL_TIMEOUT_S": str(int(max(cfg.recover.watchdog_timeout_s or 600, cfg.recover.gate_timeout_s))),
         "WANDB_ENV": _wandb_env(wandb),
         "CONFIG": shlex.quote(config_path),
@@ -281,15 +283,15 @@ def render_sbatch(
 
 
 def _check_spare_nodes(cfg: Config, spare_nodes: int) -> None:
-    """Spare nodes are only for a job that re-joins lost replicas by spawning into them."""
+    """Spare nodes take a lost node's place: in a relaunch after a node loss, or in a re-join that
+    spawns into them; both are forward recovery's."""
     if spare_nodes < 0:
         raise InputError(f"--spare-nodes must be >= 0, got {spare_nodes}")
-    mode = cfg.recover.rejoin.mode
-    if spare_nodes and mode != "spawn":
+    if spare_nodes and not cfg.recover.forward:
         raise InputError(
-            f"--spare-nodes {spare_nodes} leaves nodes free for re-join, but the config has "
-            f"recover.rejoin.mode: {mode}, so nothing would ever run there: set recover.rejoin.mode: spawn "
-            "(e.g. --set recover.rejoin.mode=spawn) or drop --spare-nodes"
+            f"--spare-nodes {spare_nodes} leaves nodes free to replace a lost one, but the config does not "
+            "run forward recovery, so nothing would ever run there: set recover.enabled: true "
+            "(e.g. --set recover.enabled=true) or drop --spare-nodes"
         )
 
 
