@@ -56,7 +56,7 @@ def estimate_hsdp_rank(cfg: Config) -> StageEstimate:
     """The heaviest HSDP rank: its shard of parameters, gradients and AdamW state (the sharded fp32
     parameters are the masters), the transiently gathered weights, one micro-batch of activations
     (FSDP computes micro-batches one at a time), and the recovery snapshot of its gradient shard."""
-    from .parallel.hsdp import hsdp_memory_per_rank
+    from .engines.hsdp import hsdp_memory_per_rank
 
     m, t = cfg.model.model_config, cfg.tokens
     mem = hsdp_memory_per_rank(m, cfg.parallelism.dp_shard, cfg.model.dtype, recover=cfg.recover.forward)

@@ -44,13 +44,9 @@ from nanotron_recover.config import (
     ParallelismArgs,
 )
 from nanotron_recover.config.schema import OptimizerFactory
-from nanotron_recover.engines.hsdp import HSDPModelEngine
-from nanotron_recover.engines.state import EngineState
-from nanotron_recover.models.llama import LlamaStage, count_parameters
-from nanotron_recover.optim import GradBuffer, MasterOptimizer, clip_grad_norm_
-from nanotron_recover.parallel.context import ParallelContext
-from nanotron_recover.parallel.hsdp import (
+from nanotron_recover.engines.hsdp import (
     HSDPEngine,
+    HSDPModelEngine,
     dim0_block,
     hsdp_memory_per_rank,
     load_hsdp_checkpoint,
@@ -58,6 +54,10 @@ from nanotron_recover.parallel.hsdp import (
     save_hsdp_checkpoint,
     stage_full_state,
 )
+from nanotron_recover.engines.state import EngineState
+from nanotron_recover.models.llama import LlamaStage, count_parameters
+from nanotron_recover.optim import GradBuffer, MasterOptimizer, clip_grad_norm_
+from nanotron_recover.parallel.context import ParallelContext
 from nanotron_recover.parallel.world import World
 from tests.helpers.gloo_world import run_world
 

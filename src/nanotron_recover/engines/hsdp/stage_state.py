@@ -12,7 +12,7 @@ import torch
 
 from ...models.llama import LlamaStage
 from ...optim import MasterOptimizer
-from ..sharding import shard
+from ...parallel.sharding import shard
 
 
 @torch.no_grad()

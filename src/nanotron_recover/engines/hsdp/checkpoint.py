@@ -19,7 +19,7 @@ import torch
 
 from ...checkpoint import DEFAULT_FINALIZE_TIMEOUT_S, CheckpointReader, PendingSave, save_checkpoint
 from ...config import Config
-from ..sharding import ParamSpec
+from ...parallel.sharding import ParamSpec
 from .engine import OPTIMIZER_KEYS, HSDPEngine
 
 

@@ -1,7 +1,7 @@
 """The HSDP engine as a :class:`~nanotron_recover.engines.ModelEngine`: FSDP2 inside a replica.
 
 Each replica is ``parallelism.dp_shard`` ranks running ``fully_shard`` over their group
-(``parallel/hsdp/``): parameters, gradients and AdamW state are sharded inside the replica, the
+(:class:`.engine.HSDPEngine`): parameters, gradients and AdamW state are sharded inside the replica, the
 gradient is reduce-scattered as a *sum* (not FSDP's default mean) into a flat fp32 buffer of this
 rank's shard, and that buffer is what the data-parallel mode sums with the same shard of the other
 replicas (plain all-reduce or forward recovery). Checkpoints are written as a tp=1, pp=1 layout, so
@@ -17,12 +17,11 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CheckpointReader, PendingSave
-from ..config import Config
-from ..parallel.context import ParallelContext
-from ..parallel.hsdp import HSDPEngine, load_hsdp_checkpoint, save_hsdp_checkpoint
-from ..parallel.world import World
-from .state import (
+from ...checkpoint import CheckpointReader, PendingSave
+from ...config import Config
+from ...parallel.context import ParallelContext
+from ...parallel.world import World
+from ..state import (
     EngineState,
     check_layout,
     check_optimizer_meta,
@@ -34,7 +33,9 @@ from .state import (
     rng_state,
     set_rng_state,
 )
-from .three_d import DTYPES
+from ..three_d import DTYPES
+from .checkpoint import load_hsdp_checkpoint, save_hsdp_checkpoint
+from .engine import HSDPEngine
 
 
 class HSDPModelEngine:
