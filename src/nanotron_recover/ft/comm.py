@@ -52,7 +52,8 @@ reports that some rank is recovering, or when the caller asks for it.
    agree are matched by our entry agree, and since our contribution clears the
    ``NO_RECOVERY`` bit (or the agree fails on the failed process), they all
    learn uniformly that the world is changing and follow into step 3.
-3. *Rounds*, on ``cur`` = the old global communicator, until one commits:
+3. *Rounds*, on ``cur`` = the old global communicator, until one commits
+   (steps 1-3 are :func:`.membership.shrink_world`):
 
    a. ``shrunk = cur.Shrink()`` (retried after ``Ack_failed`` if it raises);
    b. translate ``shrunk``'s group into the initial group: the alive ranks.
@@ -89,29 +90,15 @@ replica do not leave: they stay members of the global communicator (not of any r
 communicator), take part in every later agree and recovery, and are reused when their replica
 re-joins.
 
-Protocol of a re-join (:meth:`FaultTolerantComm.begin_join`, :meth:`commit_join`)
-------------------------------------------------------------------------------
-At a step boundary the active ranks decide, from state they all hold, which replicas come back and
-which logical ranks to spawn (the ranks of those replicas that are not members any more); an agree
-of kind ``join`` tells the parked ranks. Then, collectively over the global communicator:
-
-1. the *header* (the plan, the epoch, the membership and the caller's payload) is broadcast from the
-   root, the lowest alive rank, so parked ranks learn the plan;
-2. ``Spawn`` of one process per missing rank from the root, then ``Merge`` of the
-   intercommunicator into ``merged`` (the spawned processes come last) and the header broadcast to
-   them; spawned process ``k`` takes logical rank ``new_ranks[k]``, i.e. the place of a dead rank
-   in the grid (the grid of :mod:`.topology` never changes; only the process behind a logical rank
-   does). Spawn and Merge can fail on some members only, so after the header, the spawn and the
-   merge the members agree on the stage's outcome: a stage that failed anywhere raises
-   :class:`JoinFailed` everywhere (``could_not_start`` when the spawn itself could not start: no
-   free slot, unknown host, missing command), and nothing changed;
-3. an allgather of (logical rank, process) and the replica and DP splits of ``merged``, with the
-   re-joining replicas' ranks now active, plus the failure watch's own duplicate;
-4. the caller moves the replica state over the new DP communicators (``data_parallel/forward/state_transfer.py``);
-5. *commit agree* ``merged.Agree(ok)``: uniform, so either every member installs the new world
-   (epoch + 1, the replicas alive again) or none does. On an abort the parents keep their old
-   communicators (a dead parent is then found by the next step's agree, as any failure) and the
-   spawned processes SIGKILL themselves; the job goes on at its width.
+Re-join (:mod:`.join`)
+----------------------
+A job that lost a replica grows back by a re-join: the join protocol spawns processes for the dead
+ranks, merges them into a new global communicator and installs the grown world only after an agree
+on it (stages, agrees and aborts are in :mod:`.join`'s docstring). It uses this class through
+:meth:`~FaultTolerantComm.membership` (who is in the job, which the header carries),
+:meth:`~FaultTolerantComm.spawned` and :meth:`~FaultTolerantComm.adopt` (a spawned process's
+communicator before it joins), :meth:`~FaultTolerantComm.install` (the commit, as after a
+recovery) and :meth:`~FaultTolerantComm.abandon` (a spawned process's abort).
 
 Failures during shrink, split or the commit agree just cost another round;
 failures after the commit are the next step's business (they are detected by
@@ -130,47 +117,26 @@ across ranks), or fails. Three mechanisms make that true:
 - a rank stuck in local work (a hung kernel, a save that never ends) is ended by
   its :class:`~.failstop.Watchdog`, whose deadlines cover only local phases.
 
-Importing this module defaults ``OMPI_MCA_async_mpi_finalize=1`` (see below):
-without it the survivors' ``MPI_Finalize`` can hang on a dead rank at exit.
+Importing this module imports MPI through :mod:`.ulfm`, which defaults
+``OMPI_MCA_async_mpi_finalize=1``: without it the survivors' ``MPI_Finalize`` can hang on a dead
+rank at exit.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from .failstop import fail_stop
-from .processes import ProcessInfo, reap, still_running, this_process
+from .membership import Membership, shrink_world, split_derived
+from .processes import ProcessInfo, this_process
 from .topology import RankCoords, Topology
+from .ulfm import FAULT_ERROR_CLASSES, MPI, free_comm, is_fault
 from .world import AllReplicasFailed, FTError, JoinFailed, JoinPlan, RecoveryResult, StaleEpoch, WorldChanged
-
-# Skip the PMIx fence in MPI_Finalize. Seen here with Open MPI 5.0.11 + ULFM: after a
-# rank was SIGKILLed, the survivors' MPI_Finalize waited on the dead rank in that fence
-# in 20-40% of runs, forever (usleep loop in ompi_mpi_finalize); with the fence off,
-# 0 hangs in 50 runs. The fence only guards messages still buffered at exit, and every
-# exchange here ends in a completed collective. Must be set before MPI is initialized
-# (i.e. before mpi4py.MPI is first imported); setdefault keeps a launcher's choice.
-os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
-
-import mpi4py  # noqa: E402
-
-# No MPI_Finalize at interpreter exit: with the heartbeat detector on it blocked even after a clean
-# run (Open MPI 5.0.11), and after a failure it can wait on the dead. Every rank ends with a
-# barrier of the survivors and an exit without Finalize, which mpirun reports cleanly.
-mpi4py.rc.finalize = False
-
-from mpi4py import MPI  # noqa: E402  (must come after the MCA default above)
-
-# Error classes that mean "the world changed" (vs. a programming error).
-FAULT_ERROR_CLASSES: frozenset[int] = frozenset(
-    {MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED}
-)
 
 # Bits of the step agree. The agree is a bitwise AND, so a single rank that clears
 # NO_RECOVERY (the entry agree of a recovering rank contributes 0) pulls everyone in, and a single
@@ -185,14 +151,6 @@ _STOP_BITS = 0xFF
 _KIND_SHIFT = 10
 AGREE_KINDS = ("join", "finish", "stop")
 _KIND_MASK = (1 << len(AGREE_KINDS)) - 1
-
-# A shrink that keeps raising is not a failure we can recover from by retrying.
-_MAX_SHRINK_ATTEMPTS = 64
-
-
-def is_fault(exc: BaseException) -> bool:
-    """True if ``exc`` is an MPI error caused by a process failure or a revoke."""
-    return isinstance(exc, MPI.Exception) and exc.Get_error_class() in FAULT_ERROR_CLASSES
 
 
 def _as_numpy(buf: Any) -> np.ndarray:
@@ -213,45 +171,6 @@ def _as_numpy(buf: Any) -> np.ndarray:
     if not (arr.flags.c_contiguous and arr.flags.writeable):
         raise ValueError("allreduce_ needs a C-contiguous, writeable buffer (it reduces in place)")
     return arr
-
-
-def _revoke(comm: MPI.Comm | None) -> None:
-    if comm is None or comm == MPI.COMM_NULL:
-        return
-    try:
-        comm.Revoke()
-    except MPI.Exception:
-        pass  # already revoked, or its peers are gone: the revoke is best effort by design
-
-
-def _free(comm: MPI.Comm | None) -> None:
-    if comm is None or comm == MPI.COMM_NULL:
-        return
-    try:
-        comm.Free()
-    except MPI.Exception:
-        pass  # a communicator with dead members may refuse; leaking one handle is harmless
-
-
-@dataclass
-class PendingJoin:
-    """The communicators a re-join built; installed by :meth:`FaultTolerantComm.commit_join`."""
-
-    plan: JoinPlan
-    merged: Any
-    replica_comm: Any
-    dp_comm: Any
-    watch_comm: Any
-    logical: list[int]  # logical rank of each rank of ``merged``
-    processes: list[ProcessInfo]  # of the spawned ranks
-    payload: Any  # the caller's header payload (from merged rank 0)
-    ok: bool = True  # False once a member failed while the join was being built
-    spawn_s: float = 0.0
-
-    def free(self) -> None:
-        for comm in (self.dp_comm, self.replica_comm, self.watch_comm, self.merged):
-            _revoke(comm)
-            _free(comm)
 
 
 class FaultTolerantComm:
@@ -304,11 +223,33 @@ class FaultTolerantComm:
         # process it replaces. Failed ranks are always reported as logical ranks.
         self._logical: list[int] = list(range(self.topology.world_size))
         self.coords: RankCoords = self.topology.coords(self._global.Get_rank())
-        self._replica_comm, self._dp_comm = self._split_derived(self._global, active=True)
+        self._replica_comm, self._dp_comm = split_derived(self._global, self.coords, active=True)
         # Who is who: (host, pid) of every logical rank, to tell a hung failed rank from a crashed
         # one and to remove it for good (replaced when a re-join spawns a new process there).
         self.processes: list[ProcessInfo] = self._global.allgather(this_process(self.coords.rank))
         self._start_watch(base, on_failure_notice)
+
+    @classmethod
+    def spawned(
+        cls,
+        tp: int,
+        pp: int,
+        n_replicas: int,
+        *,
+        on_leave: Callable[[RecoveryResult], None] | None = None,
+        fault_hook: Callable[[str], None] | None = None,
+        on_failure_notice: Callable[[list[int], float], None] | None = None,
+        park_orphans: bool = True,
+    ) -> FaultTolerantComm:
+        """The communicator of a process spawned by a re-join (:func:`.join.join_parent`), before it
+        joins: no place in the grid until :meth:`adopt`, no communicators until the join commits
+        (:meth:`install`). Its failure watch starts at once, on the spawned processes'
+        ``MPI.COMM_WORLD``: it carries the heartbeats until the commit moves it."""
+        self = cls.__new__(cls)
+        self._setup(tp, pp, n_replicas, on_leave, fault_hook, park_orphans)
+        self._global = self._replica_comm = self._dp_comm = None
+        self._start_watch(MPI.COMM_WORLD, on_failure_notice)
+        return self
 
     def _setup(
         self,
@@ -429,6 +370,55 @@ class FaultTolerantComm:
         """Members of the current DP communicator (= number of alive replicas)."""
         return self._dp_comm.Get_size()
 
+    @property
+    def park_orphans(self) -> bool:
+        """The alive ranks of a failed replica park instead of leaving (``recover.rejoin``)."""
+        return self._park_orphans
+
+    # ------------------------------------------------------- re-join (see .join)
+    def membership(self) -> Membership:
+        """Who is in the job, as this member sees it (the same on every member)."""
+        return Membership(
+            epoch=self._epoch,
+            alive_replicas=list(self._alive_replicas),
+            parked_ranks=list(self._parked_ranks),
+            alive_since=dict(self._alive_since),
+            processes=list(self.processes),
+            logical=list(self._logical),
+        )
+
+    def adopt(self, rank: int, membership: Membership) -> None:
+        """A spawned process (:meth:`spawned`) takes logical rank ``rank``, the place of a dead
+        rank, in the world ``membership`` describes; it has communicators once the join commits."""
+        self.coords = self.topology.coords(rank)
+        self.install(None, None, None, membership)
+
+    def install(
+        self,
+        global_comm: MPI.Comm | None,
+        replica_comm: MPI.Comm | None,
+        dp_comm: MPI.Comm | None,
+        membership: Membership,
+    ) -> None:
+        """Move to a new world (a committed recovery or re-join): free the old communicators and
+        take these, and ``membership``; the alive ranks follow from the alive replicas."""
+        for comm in (self._dp_comm, self._replica_comm, self._global):
+            free_comm(comm)
+        self._global, self._replica_comm, self._dp_comm = global_comm, replica_comm, dp_comm
+        self._epoch = membership.epoch
+        self._alive_replicas = list(membership.alive_replicas)
+        self._alive_ranks = [r for rep in self._alive_replicas for r in self.topology.ranks_of_replica(rep)]
+        self._parked_ranks = list(membership.parked_ranks)
+        self._alive_since = dict(membership.alive_since)
+        self.processes = list(membership.processes)
+        self._logical = list(membership.logical)
+
+    def abandon(self, reason: str) -> NoReturn:
+        """Give this process up for good (a spawned process whose join aborted): closed, then
+        SIGKILLed, which the runtime reports like any crash."""
+        self._closed = True
+        fail_stop(reason)
+
     # --------------------------------------------------------------- operations
     def allreduce_(self, buf: Any, epoch: int) -> None:
         """In-place SUM of ``buf`` over the DP communicator of the world ``epoch``.
@@ -438,7 +428,7 @@ class FaultTolerantComm:
         raises :class:`WorldChanged`; ``buf`` is then torn (partially reduced) and
         must be restored from the caller's snapshot before it is reduced again.
         """
-        self._check_open()
+        self.check_open()
         if epoch != self._epoch:
             raise StaleEpoch(epoch, self._epoch)
         arr = _as_numpy(buf)
@@ -487,7 +477,7 @@ class FaultTolerantComm:
         return _STOP_BITS & ~(value >> _STOP_SHIFT), kind
 
     def _agree_value(self, mine: int) -> int:
-        self._check_open()
+        self.check_open()
         t0 = time.perf_counter()
         self.in_ft_operation = True
         try:
@@ -513,7 +503,7 @@ class FaultTolerantComm:
         DP reduction or step agree. Returns on survivors; SIGKILLs leavers;
         raises :class:`AllReplicasFailed` if no replica is left.
         """
-        self._check_open()
+        self.check_open()
         self.in_ft_operation = True
         try:
             return self._recover("manual", detect_s=0.0, entry_agree=True)
@@ -536,175 +526,30 @@ class FaultTolerantComm:
             return
         self._closed = True
         for comm in (self._dp_comm, self._replica_comm, self._global):
-            _free(comm)
+            free_comm(comm)
 
-    # ----------------------------------------------------------------- internals
-    def _check_open(self) -> None:
+    # --------------------------------------- for .membership and .join, and internals
+    def check_open(self) -> None:
+        """Raise :class:`FTError` if this communicator was closed (or its rank left)."""
         if self._closed:
             raise FTError("FaultTolerantComm is closed")
 
-    def _hook(self, point: str) -> None:
+    def fault_point(self, point: str) -> None:
+        """Call the test-only ``fault_hook`` (if any) at a named point of a recovery."""
         if self._fault_hook is not None:
             self._fault_hook(point)
 
-    def _split_derived(self, glob: MPI.Comm, active: bool) -> tuple[MPI.Comm | None, MPI.Comm | None]:
-        """The replica and DP communicators of ``glob`` (collective over ``glob``); a parked rank
-        takes part in the splits but gets neither."""
-        c = self.coords
-        replica = glob.Split(color=c.replica if active else MPI.UNDEFINED, key=c.local_rank)
-        dp = glob.Split(color=c.local_rank if active else MPI.UNDEFINED, key=c.replica)
-        if not active:
-            return None, None
-        replica.Set_errhandler(MPI.ERRORS_RETURN)
-        dp.Set_errhandler(MPI.ERRORS_RETURN)
-        return replica, dp
-
-    def _shrink(self, comm: MPI.Comm) -> MPI.Comm:
-        """``comm.Shrink()``, retried if a failure interrupts it."""
-        for _ in range(_MAX_SHRINK_ATTEMPTS):
-            try:
-                shrunk = comm.Shrink()
-            except MPI.Exception as exc:
-                if not is_fault(exc):
-                    raise
-                # Open MPI's shrink completes despite failures (it agrees on the failed set
-                # internally), so this is a belt-and-braces path: acknowledge what is known
-                # and retry on the same communicator, as every survivor then does.
-                try:
-                    comm.Ack_failed()
-                except MPI.Exception:
-                    pass
-                continue
-            shrunk.Set_errhandler(MPI.ERRORS_RETURN)
-            return shrunk
-        fail_stop(f"rank {self.rank}: Shrink failed {_MAX_SHRINK_ATTEMPTS} times")
-
-    @staticmethod
-    def _logical_members(comm: MPI.Comm, base_group: MPI.Group, base_logical: list[int]) -> list[int]:
-        """Logical ranks of ``comm``'s members, through the group of the communicator they came from."""
-        group = comm.Get_group()
-        try:
-            ranks = group.Translate_ranks(list(range(group.Get_size())), base_group)
-        finally:
-            group.Free()
-        return sorted(base_logical[int(r)] for r in ranks)
-
     def _recover(self, trigger: str, *, detect_s: float, entry_agree: bool) -> RecoveryResult:
-        detected_at = time.time()
-        t_start = time.perf_counter()
-        old_epoch = self._epoch
-        prev_replicas = list(self._alive_replicas)
-        prev_members = set(self.members)
-        # Every group below is translated into the pre-recovery global communicator's group.
-        base_group = self._global.Get_group()
-        base_logical = list(self._logical)
-        self._hook("recover:enter")
-
-        # 1. Revoke everything we own: peers blocked in any of them must wake up.
-        for comm in (self._dp_comm, self._replica_comm, self._global):
-            _revoke(comm)
-        self._hook("recover:revoked")
-
-        # 2. Entry agree: match the step agree of peers that are already there.
-        if entry_agree:
-            try:
-                self._global.Agree(0)
-            except MPI.Exception as exc:
-                if not is_fault(exc):
-                    raise
-        revoke_s = time.perf_counter() - t_start
-
-        # 3. Rounds until one commits.
-        cur = self._global
-        discarded: list[MPI.Comm] = []  # shrunk communicators of failed rounds
-        shrink_s = 0.0
-        rounds = 0
-        while True:
-            rounds += 1
-            t_shrink = time.perf_counter()
-            shrunk = self._shrink(cur)
-            shrink_s += time.perf_counter() - t_shrink
-            self._hook("recover:shrunk")
-
-            members = self._logical_members(shrunk, base_group, base_logical)
-            complete = set(self.topology.complete_replicas(members))
-            alive_replicas = [r for r in prev_replicas if r in complete]
-            active = self.coords.replica in alive_replicas
-            leaving = not active and not self._park_orphans
-
-            ok = 1
-            new_global: MPI.Comm | None = None
-            new_replica: MPI.Comm | None = None
-            new_dp: MPI.Comm | None = None
-            try:
-                new_global = shrunk.Split(MPI.UNDEFINED if leaving else 0, key=self.coords.rank)
-                if not leaving:
-                    new_global.Set_errhandler(MPI.ERRORS_RETURN)
-                    new_replica, new_dp = self._split_derived(new_global, active)
-            except MPI.Exception as exc:
-                if not is_fault(exc):
-                    raise
-                ok = 0
-                _revoke(new_global)  # wake survivors blocked in the derived splits
-            self._hook("recover:split")
-            # Which failed ranks still run on this host (frozen, not crashed): looked at before the
-            # commit agree, so before any survivor kills them.
-            seen_running = {r: still_running(self.processes[r]) for r in sorted(prev_members - set(members))}
-
-            try:
-                committed = shrunk.Agree(ok) == 1
-            except MPI.Exception as exc:
-                if not is_fault(exc):
-                    raise
-                committed = False
-            if committed:
-                break
-            for comm in (new_dp, new_replica, new_global):
-                _free(comm)
-            discarded.append(shrunk)
-            cur = shrunk
-        base_group.Free()
-
-        alive_set = set(alive_replicas)
-        survivors = [r for r in members if self.topology.replica_of(r) in alive_set]
-        parked = (
-            [r for r in members if self.topology.replica_of(r) not in alive_set] if self._park_orphans else []
-        )
-        failed_ranks = sorted(prev_members - set(members))
-        hung = [r for r in failed_ranks if seen_running.get(r)]
-        unseen = [r for r in failed_ranks if seen_running.get(r, None) is None]
-        if not leaving:
-            # Remove a failed rank that still runs here for good (see module docstring). Only after
-            # the commit: every survivor looked at it before the commit agree, so none of them
-            # mistakes a hung rank another survivor just killed for a crashed one.
-            for r in hung:
-                reap(self.processes[r])
-        result = RecoveryResult(
-            old_epoch=old_epoch,
-            new_epoch=old_epoch + 1,
-            failed_replicas=tuple(r for r in prev_replicas if r not in complete),
-            failed_ranks=tuple(failed_ranks),
-            alive_replicas=tuple(alive_replicas),
-            trigger=trigger,
-            detect_s=detect_s,
-            detected_at=detected_at,
-            revoke_s=revoke_s,
-            shrink_s=shrink_s,
-            recover_s=time.perf_counter() - t_start,
-            rounds=rounds,
-            left=leaving,
-            hung_ranks=tuple(hung),
-            unseen_ranks=tuple(unseen),
-            parked=not active and not leaving,
-        )
-        self._hook("recover:committed")
+        # 1-3. Revoke, entry agree, rounds until one commits (.membership; changes nothing here).
+        new = shrink_world(self, trigger, detect_s=detect_s, entry_agree=entry_agree)
+        result = new.result
 
         # 4. Leave, give up, or install the new world.
-        if not alive_replicas:
+        if not result.alive_replicas:
             self._closed = True
             self.stop_watch()
             raise AllReplicasFailed(result)
-        if leaving:
+        if result.left:
             self._closed = True
             self.stop_watch()
             if self._on_leave is not None:
@@ -714,243 +559,14 @@ class FaultTolerantComm:
                     pass  # logging must not keep a leaver alive
             fail_stop(
                 f"rank {self.rank} (replica {self.coords.replica}) leaves: replica failed, "
-                f"epoch {old_epoch} -> {old_epoch + 1}"
+                f"epoch {result.old_epoch} -> {result.new_epoch}"
             )
 
-        assert new_global is not None
-        for comm in (self._dp_comm, self._replica_comm, self._global, *discarded, shrunk):
-            _free(comm)
-        self._global, self._replica_comm, self._dp_comm = new_global, new_replica, new_dp
-        # new_global is ordered by logical rank (the split key).
-        self._logical = sorted(members) if self._park_orphans else survivors
-        self._alive_replicas = alive_replicas
-        self._alive_ranks = survivors
-        self._parked_ranks = parked
-        self._epoch = old_epoch + 1
+        assert new.global_comm is not None and new.membership is not None
+        self.install(new.global_comm, new.replica_comm, new.dp_comm, new.membership)
+        for comm in new.spent:
+            free_comm(comm)
         return result
-
-    # ------------------------------------------------------------------- re-join
-    def _join_stage_agree(
-        self, ok: bool, stage: str, error: BaseException | None, could_not_start: bool = False
-    ) -> None:
-        """One stage of a join, agreed: returns on every member, or raises :class:`JoinFailed` on
-        every member. A member's death makes the agree itself fail (uniformly); a stage that failed
-        without one (a spawn that cannot start) gives 0 to all."""
-        why = f": {error.Get_error_string()}" if isinstance(error, MPI.Exception) else ""
-        try:
-            agreed = self._global.Agree(1 if ok else 0) & 1
-        except MPI.Exception as exc:
-            if not is_fault(exc):
-                raise
-            raise JoinFailed(f"a member failed {stage}{why}") from exc
-        if not agreed:
-            raise JoinFailed(
-                f"{'the spawn could not start' if could_not_start else 'a member failed ' + stage}{why}",
-                could_not_start=could_not_start,
-            )
-
-    def begin_join(
-        self, plan: JoinPlan | None, command: list[str], info: dict[str, str], payload: Any
-    ) -> PendingJoin:
-        """Steps 1-3 of a re-join on a member (collective over the global communicator).
-
-        The lowest alive rank is the root: its ``plan``, ``command``, ``info`` and ``payload``
-        count; a parked rank passes None and learns them from the root. Raises
-        :class:`JoinFailed` if the spawn fails (on every member alike). Otherwise returns a
-        :class:`PendingJoin`, whose ``ok`` is False if a member failed while it was being built;
-        the caller then moves state and calls :meth:`commit_join` in any case."""
-        self._check_open()
-        t0 = time.perf_counter()
-        root = self._logical.index(min(self._alive_ranks))
-        is_root = self._global.Get_rank() == root
-        self.in_ft_operation = True
-        try:
-            header = None
-            if is_root:
-                assert plan is not None
-                header = {
-                    "plan": plan,
-                    "command": command,
-                    "info": info,
-                    "epoch": self._epoch,
-                    "alive_replicas": self._alive_replicas,
-                    "parked": self._parked_ranks,
-                    "alive_since": self._alive_since,
-                    "processes": self.processes,
-                    "logical": self._logical,
-                    "payload": payload,
-                }
-            # Spawn and Merge are not uniform (they can fail on some members only): after each
-            # stage the members agree on its outcome on the global communicator before going on,
-            # so every member leaves the join at the same stage, with the same reason.
-            error = None
-            try:
-                header = self._global.bcast(header, root=root)
-            except MPI.Exception as exc:
-                if not is_fault(exc):
-                    raise
-                error = exc
-            self._join_stage_agree(error is None, "before the spawn", error)
-            plan = header["plan"]
-            mpi_info = MPI.Info.Create()
-            for key, value in header["info"].items():
-                mpi_info.Set(key, value)
-            inter = None
-            try:
-                cmd = header["command"]
-                inter = self._global.Spawn(
-                    cmd[0], cmd[1:], maxprocs=len(plan.new_ranks), info=mpi_info, root=root
-                )
-                inter.Set_errhandler(MPI.ERRORS_RETURN)
-            except MPI.Exception as exc:
-                error = exc
-            finally:
-                mpi_info.Free()
-            try:
-                self._join_stage_agree(error is None, "during the spawn", error, could_not_start=True)
-            except JoinFailed:
-                _revoke(inter)  # spawned processes waiting in their Merge die (fail_stop)
-                _free(inter)
-                raise
-            merged = None
-            try:
-                merged = inter.Merge(high=False)
-                merged.Set_errhandler(MPI.ERRORS_RETURN)
-            except MPI.Exception as exc:
-                error = exc
-            try:
-                self._join_stage_agree(error is None, "while merging", error)
-            except JoinFailed:
-                for comm in (merged, inter):
-                    _revoke(comm)
-                    _free(comm)
-                raise
-            _free(inter)
-            merged.Set_errhandler(MPI.ERRORS_RETURN)
-            try:
-                merged.bcast(header if merged.Get_rank() == 0 else None, root=0)  # to the spawned ones
-            except MPI.Exception as exc:
-                if not is_fault(exc):
-                    raise
-                _revoke(merged)  # carry on to the commit agree, which then aborts uniformly
-            pending = self._build_join(merged, header, self.coords.rank)
-            pending.spawn_s = time.perf_counter() - t0
-            return pending
-        finally:
-            self.in_ft_operation = False
-
-    @classmethod
-    def join_parent(
-        cls,
-        tp: int,
-        pp: int,
-        n_replicas: int,
-        *,
-        on_leave: Callable[[RecoveryResult], None] | None = None,
-        fault_hook: Callable[[str], None] | None = None,
-        on_failure_notice: Callable[[list[int], float], None] | None = None,
-        park_orphans: bool = True,
-    ) -> tuple[FaultTolerantComm, PendingJoin]:
-        """The spawned side of a re-join: this process was started by :meth:`begin_join`.
-
-        Returns this rank's (not yet committed) communicator and the pending join; the caller
-        receives its state and calls :meth:`commit_join`, which SIGKILLs this process on an abort."""
-        parent = MPI.Comm.Get_parent()
-        if parent == MPI.COMM_NULL:
-            raise FTError("join_parent: this process was not spawned by a running job")
-        self = cls.__new__(cls)
-        self._setup(tp, pp, n_replicas, on_leave, fault_hook, park_orphans)
-        self._start_watch(MPI.COMM_WORLD, on_failure_notice)  # heartbeat progress until the commit
-        parent.Set_errhandler(MPI.ERRORS_RETURN)
-        try:
-            merged = parent.Merge(high=True)
-        except MPI.Exception as exc:
-            fail_stop(f"spawned process: merging with the job failed: {exc.Get_error_string()}")
-        merged.Set_errhandler(MPI.ERRORS_RETURN)
-        try:
-            header = merged.bcast(None, root=0)
-        except MPI.Exception as exc:
-            fail_stop(f"spawned process: the job failed during the re-join: {exc.Get_error_string()}")
-        plan: JoinPlan = header["plan"]
-        n_parents = len(header["logical"])
-        logical = plan.new_ranks[merged.Get_rank() - n_parents]
-        self.coords = self.topology.coords(logical)
-        self._epoch = header["epoch"]
-        self._alive_replicas = list(header["alive_replicas"])
-        self._alive_ranks = [r for rep in self._alive_replicas for r in self.topology.ranks_of_replica(rep)]
-        self._parked_ranks = list(header["parked"])
-        self._alive_since = dict(header["alive_since"])
-        self.processes = list(header["processes"])
-        self._logical = list(header["logical"])
-        self._global = self._replica_comm = self._dp_comm = None
-        pending = self._build_join(merged, header, logical)
-        return self, pending
-
-    def _build_join(self, merged: MPI.Comm, header: dict, logical: int) -> PendingJoin:
-        """Step 3 of a re-join, alike on parents and spawned processes (after the header's bcast)."""
-        plan: JoinPlan = header["plan"]
-        pending = PendingJoin(
-            plan=plan,
-            merged=merged,
-            replica_comm=None,
-            dp_comm=None,
-            watch_comm=None,
-            logical=[],
-            processes=[],
-            payload=header["payload"],
-        )
-        active = self.coords.replica in set(self._alive_replicas) | set(plan.replicas)
-        try:
-            pending.logical = [int(r) for r in merged.allgather(logical)]
-            infos = merged.allgather(this_process(logical))
-            pending.processes = [infos[i] for i, r in enumerate(pending.logical) if r in plan.new_ranks]
-            pending.replica_comm, pending.dp_comm = self._split_derived(merged, active)
-            pending.watch_comm = merged.Dup()
-        except MPI.Exception as exc:
-            if not is_fault(exc):
-                raise
-            pending.ok = False
-            for comm in (pending.dp_comm, pending.replica_comm, merged):
-                _revoke(comm)  # wake members blocked in the join's collectives
-        return pending
-
-    def commit_join(self, pending: PendingJoin, ok: bool) -> bool:
-        """Step 5: the commit agree of a re-join. True: the new world is installed (epoch + 1).
-        False: nothing changed here; a spawned process SIGKILLs itself instead of returning."""
-        spawned = self._global is None
-        try:
-            committed = pending.merged.Agree(1 if (ok and pending.ok) else 0) & 1 == 1
-        except MPI.Exception as exc:
-            if not is_fault(exc):
-                raise
-            committed = False
-        if not committed:
-            pending.free()
-            if spawned:
-                self._closed = True
-                fail_stop(f"spawned rank {self.rank}: the re-join was aborted")
-            return False
-        plan = pending.plan
-        for comm in (self._dp_comm, self._replica_comm, self._global):
-            _free(comm)
-        self._global, self._replica_comm, self._dp_comm = (
-            pending.merged,
-            pending.replica_comm,
-            pending.dp_comm,
-        )
-        self._logical = pending.logical
-        for info in pending.processes:
-            self.processes[info.rank] = info
-        self._epoch += 1
-        self._alive_replicas = sorted(set(self._alive_replicas) | set(plan.replicas))
-        self._alive_ranks = [r for rep in self._alive_replicas for r in self.topology.ranks_of_replica(rep)]
-        self._parked_ranks = [r for r in self._parked_ranks if r not in plan.reused_ranks]
-        for rep in plan.replicas:
-            self._alive_since[rep] = self._epoch
-        from .watch import rebase_watch
-
-        rebase_watch(pending.watch_comm, pending.logical)
-        return True
 
 
 __all__ = [
@@ -960,7 +576,7 @@ __all__ = [
     "FaultTolerantComm",
     "JoinFailed",
     "JoinPlan",
-    "PendingJoin",
+    "Membership",
     "RecoveryResult",
     "StaleEpoch",
     "WorldChanged",
