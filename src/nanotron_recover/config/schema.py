@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from ..failures import INJECTABLE_PHASES
 from .loader import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -438,7 +439,8 @@ class MetricsLoggingArgs:
     log_detail_interval: int = 10
 
 
-Phase = Literal["forward", "backward", "gate", "reduce", "agree", "optimizer", "recovery", "save", "rejoin"]
+# Where a fault can be injected: failures.INJECTABLE_PHASES, the one list of them.
+Phase = Literal[tuple(p.value for p in INJECTABLE_PHASES)]  # type: ignore[valid-type]
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from ..failures import ERROR_PHASES, PLAIN_PHASES, Phase
 from .loader import ConfigError
 from .schema import Config, FaultSpec, HFDatasetArgs, NanosetDatasetsArgs
 
@@ -273,13 +274,9 @@ def check_world_size(cfg: Config, world_size: int) -> None:
         )
 
 
-# Points of a plain (checkpoint-restart) step where a fault can be injected.
-PLAIN_PHASES = ("forward", "backward", "reduce", "optimizer", "save")
 # Fault kinds a checkpoint-restart run can inject: it recovers only from a dead rank (a relaunch);
 # a frozen rank or an exception in its step is what forward recovery's detectors are for.
 PLAIN_KINDS = ("kill",)
-# Phases in which micro-batches are computed, the only ones where a kind: error fault can fire.
-ERROR_PHASES = ("forward", "backward", "recovery")
 
 
 FixedField = tuple[str, Callable[[Config], Any], tuple[Any, ...], str]
@@ -841,7 +838,7 @@ def _validate_fault(cfg: Config, f: FaultSpec, where: str) -> None:
             raise ConfigError(f"{where}: persistent is only for kind error; remove it from kind {f.kind}")
         if f.microbatch < 0:
             raise ConfigError(f"{where}: microbatch must be >= 0")
-    if f.phase == "save":
+    if f.phase == Phase.SAVE:
         interval = cfg.checkpoints.checkpoint_interval
         if interval < 1:
             raise ConfigError(

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import FaultSpec, RecoverArgs
+from ..failures import Kind, Phase
 from .failstop import fail_stop
 from .records import faults_dir, read_records, write_record
 
@@ -65,7 +66,7 @@ class FaultInjector:
         rf = self.args.random_faults
         if rf is not None and step % rf.every_steps == 0 and len(alive) > rf.until_replicas:
             victim = random.Random(f"{rf.seed}:{step}").choice(sorted(alive))
-            faults.append(ScheduledFault(step, "forward", 0, victim, None))
+            faults.append(ScheduledFault(step, Phase.FORWARD, 0, victim, None))
         return faults
 
     def is_victim(self, fault: ScheduledFault | FaultSpec) -> bool:
@@ -81,7 +82,7 @@ class FaultInjector:
                 name = self._record_name(fault)
                 if (faults_dir(self.run_dir) / f"{name}.json").exists():
                     continue  # fired in an earlier incarnation of this job
-                kind = "hang" if fault.kind == "freeze" else "crash"
+                kind = Kind.HANG if fault.kind == "freeze" else Kind.CRASH
                 record = {"rank": self.rank, "replica": self.replica, "step": fault.step}
                 write_record(self.run_dir, name, {**record, "phase": phase, "kind": kind, "injected": True})
                 where = f"rank {self.rank} (replica {self.replica}) at step {self.step} {phase} #{index}"
