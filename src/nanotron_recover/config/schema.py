@@ -17,12 +17,26 @@ DoReMi) are refused while parsing, each with its own line (``REFUSED_KEYS``, ``y
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from ..failures import INJECTABLE_PHASES
+from ..failures import INJECTABLE_PHASES, PLAIN_PHASES
 from .loader import ConfigError
+
+# A host of recover.rejoin.hosts: a name, optionally with a slot count ("node7", "node7:4").
+_REJOIN_HOST = re.compile(r"[^\s:,]+(:[1-9][0-9]*)?")
+# Fault kinds a checkpoint-restart run can inject: it recovers only from a dead rank (a relaunch);
+# a frozen rank or an exception in its step is what forward recovery's detectors are for.
+PLAIN_KINDS = ("kill",)
+
+
+def _positive(value: float) -> bool:
+    """A finite number above zero (NaN and infinity are not)."""
+    return math.isfinite(value) and value > 0
+
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -479,6 +493,10 @@ class RandomFaults:
     seed: int = 0
     until_replicas: int = 1
 
+    def __post_init__(self) -> None:
+        if self.every_steps < 1:
+            raise ConfigError("recover.random_faults.every_steps must be >= 1")
+
 
 @dataclass
 class RejoinArgs:
@@ -499,6 +517,28 @@ class RejoinArgs:
     hosts: list[str] = field(default_factory=list)
     hostfile: str | None = None
 
+    def __post_init__(self) -> None:
+        where = "recover.rejoin"
+        if self.after_steps < 0:
+            raise ConfigError(f"{where}.after_steps must be >= 0, got {self.after_steps}")
+        if self.max_spawns < 1:
+            raise ConfigError(
+                f"{where}.max_spawns must be >= 1, got {self.max_spawns}: to never spawn set {where}.mode: off"
+            )
+        if self.max_failures_per_replica < 1:
+            raise ConfigError(
+                f"{where}.max_failures_per_replica must be >= 1, got {self.max_failures_per_replica}"
+            )
+        if self.hosts and self.hostfile is not None:
+            raise ConfigError(
+                f"{where}: set hosts or hostfile, not both (neither: any free slot mpirun knows of)"
+            )
+        for i, host in enumerate(self.hosts):
+            if not _REJOIN_HOST.fullmatch(host):
+                raise ConfigError(
+                    f"{where}.hosts[{i}] {host!r} is not a host: write a name or name:slots, e.g. node7 or node7:4"
+                )
+
 
 @dataclass
 class SnapshotArgs:
@@ -514,6 +554,22 @@ class SnapshotArgs:
     max_mb: float | None = None
     # How many replicas of each (pp, tp) coordinate keep one, the lowest alive first (null: all).
     replicas_per_coordinate: int | None = None
+
+    def __post_init__(self) -> None:
+        where = "recover.snapshot"
+        if self.interval < 0:
+            raise ConfigError(f"{where}.interval must be >= 0 (0: no snapshots), got {self.interval}")
+        if self.max_mb is not None and self.max_mb <= 0:
+            raise ConfigError(f"{where}.max_mb must be > 0 or null (no cap), got {self.max_mb}")
+        if self.replicas_per_coordinate is not None and self.replicas_per_coordinate < 1:
+            raise ConfigError(
+                f"{where}.replicas_per_coordinate must be >= 1 or null (every replica), "
+                f"got {self.replicas_per_coordinate}"
+            )
+        if not self.dir.strip():
+            raise ConfigError(
+                f"{where}.dir is empty: name a node-local folder, e.g. /dev/shm/nanotron-recover"
+            )
 
 
 @dataclass
@@ -566,6 +622,78 @@ class RecoverArgs:
     rejoin: RejoinArgs = field(default_factory=RejoinArgs)
     # Node-memory snapshots for a relaunch after a node loss (forward recovery only).
     snapshot: SnapshotArgs = field(default_factory=SnapshotArgs)
+
+    def __post_init__(self) -> None:
+        """The checks that need only this section; those that need others (parallelism.dp, the
+        steps, the checkpoints, the engine) are in ``validate.py``."""
+        if self.bucket_size_mb <= 0:
+            raise ConfigError(f"recover.bucket_size_mb must be > 0, got {self.bucket_size_mb}")
+        if self.gate_timeout_s <= 0:
+            raise ConfigError("recover.gate_timeout_s must be > 0")
+        if self.watchdog_timeout_s is not None and not _positive(self.watchdog_timeout_s):
+            raise ConfigError(
+                f"recover.watchdog_timeout_s must be > 0, or null for no watchdog, got {self.watchdog_timeout_s}"
+            )
+        if not _positive(self.heartbeat_period_s):
+            raise ConfigError(f"recover.heartbeat_period_s must be > 0, got {self.heartbeat_period_s}")
+        if not self.heartbeat_timeout_s > 3 * self.heartbeat_period_s:
+            # Open MPI's own rule for its detector: a timeout of a few periods tolerates a late heartbeat.
+            raise ConfigError(
+                f"recover.heartbeat_timeout_s={self.heartbeat_timeout_s} must be greater than 3 x "
+                f"recover.heartbeat_period_s={self.heartbeat_period_s}: a rank silent for the timeout is "
+                "declared failed, so a timeout of fewer than three periods declares healthy ranks failed"
+            )
+        if self.policy == "adaptive_world":
+            if not self.forward:
+                raise ConfigError(
+                    "recover.policy: adaptive_world changes how forward recovery repairs a step: it needs "
+                    "recover.enabled: true and recover.mode: forward"
+                )
+            if self.spares == "zero":
+                raise ConfigError(
+                    "recover.spares: zero cannot be used with recover.policy: adaptive_world, where every "
+                    "replica computes its own micro-batches and none is a spare; set recover.spares: shadow or off"
+                )
+        if self.max_restarts < 0:
+            raise ConfigError("recover.max_restarts must be >= 0")
+        if (self.faults or self.random_faults is not None) and not self.enabled:
+            raise ConfigError("recover.faults / recover.random_faults need recover.enabled: true")
+        if self.checkpoint_restart:
+            for i, f in enumerate(self.faults):
+                if f.phase not in PLAIN_PHASES:
+                    raise ConfigError(
+                        f"recover.faults[{i}]: phase {f.phase!r} does not exist in checkpoint_restart mode "
+                        f"(choose {', '.join(PLAIN_PHASES)})"
+                    )
+                if f.kind not in PLAIN_KINDS:
+                    raise ConfigError(
+                        f"recover.faults[{i}]: kind {f.kind!r} is not supported in checkpoint_restart mode, "
+                        "which recovers only from dead ranks: use kind: kill, or recover.mode: forward"
+                    )
+        if self.rejoin.mode == "spawn" and not self.enabled:
+            raise ConfigError(
+                "recover.rejoin.mode: spawn needs recover.enabled: true (re-join grows back a job that "
+                "recovers forward); set recover.enabled: true or recover.rejoin.mode: off"
+            )
+        if self.rejoin.mode == "spawn" and self.mode != "forward":
+            raise ConfigError(
+                f"recover.rejoin.mode: spawn cannot be used with recover.mode: {self.mode}: a relaunch "
+                "already restores full width; set recover.mode: forward or recover.rejoin.mode: off"
+            )
+        if self.exact:
+            if self.policy == "adaptive_world":
+                raise ConfigError(
+                    "recover.exact: true cannot be used with recover.policy: adaptive_world, which changes "
+                    "the batch when a replica is lost; exact mode equals the fault-free run only with static_world"
+                )
+            if self.checkpoint_restart:
+                raise ConfigError(
+                    "recover.exact: true needs recover.mode: forward (or recover.enabled: false)"
+                )
+            if not 8 <= self.exact_fraction_bits <= 56:
+                raise ConfigError(
+                    f"recover.exact_fraction_bits must be between 8 and 56, got {self.exact_fraction_bits}"
+                )
 
     @property
     def forward(self) -> bool:

@@ -14,14 +14,13 @@ runs and why (:data:`MODEL_FIXED_FIELDS`, :data:`FIXED_FIELDS`), never silently 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from ..failures import ERROR_PHASES, PLAIN_PHASES, Phase
+from ..failures import ERROR_PHASES, Phase
 from .loader import ConfigError
 from .schema import Config, FaultSpec, HFDatasetArgs, NanosetDatasetsArgs
 
@@ -272,11 +271,6 @@ def check_world_size(cfg: Config, world_size: int) -> None:
             f"world size {world_size} != {grid} = {cfg.world_size}: "
             f"launch {cfg.world_size} ranks or change parallelism"
         )
-
-
-# Fault kinds a checkpoint-restart run can inject: it recovers only from a dead rank (a relaunch);
-# a frozen rank or an exception in its step is what forward recovery's detectors are for.
-PLAIN_KINDS = ("kill",)
 
 
 FixedField = tuple[str, Callable[[Config], Any], tuple[Any, ...], str]
@@ -648,148 +642,30 @@ def _validate_optimizer(cfg: Config) -> None:
 
 
 def _validate_recover(cfg: Config, check_paths: bool = True) -> None:
+    """The ``recover.*`` checks that need other sections (each ``recover`` dataclass checks its own
+    fields when it is built, in ``schema.py``)."""
     r, dp = cfg.recover, cfg.parallelism.dp
-    if r.bucket_size_mb <= 0:
-        raise ConfigError(f"recover.bucket_size_mb must be > 0, got {r.bucket_size_mb}")
     if not 1 <= r.min_replicas <= dp:
         raise ConfigError(f"recover.min_replicas={r.min_replicas} must be between 1 and parallelism.dp={dp}")
-    if r.gate_timeout_s <= 0:
-        raise ConfigError("recover.gate_timeout_s must be > 0")
-    if r.watchdog_timeout_s is not None and not _positive(r.watchdog_timeout_s):
+    if r.exact and cfg.parallelism.dp_shard > 1:
         raise ConfigError(
-            f"recover.watchdog_timeout_s must be > 0, or null for no watchdog, got {r.watchdog_timeout_s}"
+            "recover.exact: true is implemented for the 3D engine (parallelism.dp_shard: 1); HSDP "
+            "accumulates FSDP's reduce-scattered floats, whose sum is not exact"
         )
-    if not _positive(r.heartbeat_period_s):
-        raise ConfigError(f"recover.heartbeat_period_s must be > 0, got {r.heartbeat_period_s}")
-    if not r.heartbeat_timeout_s > 3 * r.heartbeat_period_s:
-        # Open MPI's own rule for its detector: a timeout of a few periods tolerates a late heartbeat.
-        raise ConfigError(
-            f"recover.heartbeat_timeout_s={r.heartbeat_timeout_s} must be greater than 3 x "
-            f"recover.heartbeat_period_s={r.heartbeat_period_s}: a rank silent for the timeout is declared "
-            "failed, so a timeout of fewer than three periods declares healthy ranks failed"
-        )
-    if r.policy == "adaptive_world":
-        if not r.forward:
-            raise ConfigError(
-                "recover.policy: adaptive_world changes how forward recovery repairs a step: it needs "
-                "recover.enabled: true and recover.mode: forward"
-            )
-        if r.spares == "zero":
-            raise ConfigError(
-                "recover.spares: zero cannot be used with recover.policy: adaptive_world, where every "
-                "replica computes its own micro-batches and none is a spare; set recover.spares: shadow or off"
-            )
-    if r.exact:
-        _validate_exact(cfg)
     for i, f in enumerate(r.faults):
         _validate_fault(cfg, f, f"recover.faults[{i}]")
     rf = r.random_faults
-    if rf is not None:
-        if rf.every_steps < 1:
-            raise ConfigError("recover.random_faults.every_steps must be >= 1")
-        if not 1 <= rf.until_replicas <= dp:
-            raise ConfigError(
-                f"recover.random_faults.until_replicas must be between 1 and parallelism.dp={dp}"
-            )
-    if r.checkpoint_restart:
-        if cfg.checkpoints.checkpoint_interval < 1:
-            raise ConfigError("recover.mode: checkpoint_restart needs checkpoints.checkpoint_interval >= 1")
-        for i, f in enumerate(r.faults):
-            if f.phase not in PLAIN_PHASES:
-                raise ConfigError(
-                    f"recover.faults[{i}]: phase {f.phase!r} does not exist in checkpoint_restart mode "
-                    f"(choose {', '.join(PLAIN_PHASES)})"
-                )
-            if f.kind not in PLAIN_KINDS:
-                raise ConfigError(
-                    f"recover.faults[{i}]: kind {f.kind!r} is not supported in checkpoint_restart mode, "
-                    "which recovers only from dead ranks: use kind: kill, or recover.mode: forward"
-                )
-        if r.max_restarts < 0:
-            raise ConfigError("recover.max_restarts must be >= 0")
-    if (r.faults or rf is not None) and not r.enabled:
-        raise ConfigError("recover.faults / recover.random_faults need recover.enabled: true")
-    _validate_rejoin(cfg, check_paths)
-    _validate_snapshot(cfg)
-
-
-def _validate_snapshot(cfg: Config) -> None:
-    """``recover.snapshot``: its ranges (the folder is made when the first snapshot is written)."""
-    n, where = cfg.recover.snapshot, "recover.snapshot"
-    if n.interval < 0:
-        raise ConfigError(f"{where}.interval must be >= 0 (0: no snapshots), got {n.interval}")
-    if n.max_mb is not None and n.max_mb <= 0:
-        raise ConfigError(f"{where}.max_mb must be > 0 or null (no cap), got {n.max_mb}")
-    if n.replicas_per_coordinate is not None and n.replicas_per_coordinate < 1:
-        raise ConfigError(
-            f"{where}.replicas_per_coordinate must be >= 1 or null (every replica), got {n.replicas_per_coordinate}"
-        )
-    if not n.dir.strip():
-        raise ConfigError(f"{where}.dir is empty: name a node-local folder, e.g. /dev/shm/nanotron-recover")
-
-
-# A host of recover.rejoin.hosts: a name, optionally with a slot count ("node7", "node7:4").
-_REJOIN_HOST = re.compile(r"[^\s:,]+(:[1-9][0-9]*)?")
-
-
-def _validate_rejoin(cfg: Config, check_paths: bool) -> None:
-    """``recover.rejoin``: its ranges, where spawned processes go, and the modes it works with."""
-    j, where = cfg.recover.rejoin, "recover.rejoin"
-    if j.after_steps < 0:
-        raise ConfigError(f"{where}.after_steps must be >= 0, got {j.after_steps}")
-    if j.max_spawns < 1:
-        raise ConfigError(
-            f"{where}.max_spawns must be >= 1, got {j.max_spawns}: to never spawn set {where}.mode: off"
-        )
-    if j.max_failures_per_replica < 1:
-        raise ConfigError(f"{where}.max_failures_per_replica must be >= 1, got {j.max_failures_per_replica}")
-    if j.hosts and j.hostfile is not None:
-        raise ConfigError(
-            f"{where}: set hosts or hostfile, not both (neither: any free slot mpirun knows of)"
-        )
-    for i, host in enumerate(j.hosts):
-        if not _REJOIN_HOST.fullmatch(host):
-            raise ConfigError(
-                f"{where}.hosts[{i}] {host!r} is not a host: write a name or name:slots, e.g. node7 or node7:4"
-            )
-    if j.mode == "spawn":
-        r = cfg.recover
-        if not r.enabled:
-            raise ConfigError(
-                f"{where}.mode: spawn needs recover.enabled: true (re-join grows back a job that recovers "
-                "forward); set recover.enabled: true or recover.rejoin.mode: off"
-            )
-        if r.mode != "forward":
-            raise ConfigError(
-                f"{where}.mode: spawn cannot be used with recover.mode: {r.mode}: a relaunch already "
-                "restores full width; set recover.mode: forward or recover.rejoin.mode: off"
-            )
+    if rf is not None and not 1 <= rf.until_replicas <= dp:
+        raise ConfigError(f"recover.random_faults.until_replicas must be between 1 and parallelism.dp={dp}")
+    if r.checkpoint_restart and cfg.checkpoints.checkpoint_interval < 1:
+        raise ConfigError("recover.mode: checkpoint_restart needs checkpoints.checkpoint_interval >= 1")
+    j, where = r.rejoin, "recover.rejoin"
     if check_paths and j.hostfile is not None:
         path = Path(j.hostfile)
         if not path.exists():
             raise ConfigError(f"{where}.hostfile {j.hostfile!r} does not exist: write it or fix the path")
         if not path.is_file():
             raise ConfigError(f"{where}.hostfile {j.hostfile!r} is not a file")
-
-
-def _validate_exact(cfg: Config) -> None:
-    """``recover.exact``: the supported runs (the fixed-point sum lives in the 3D engine's buffer)."""
-    r = cfg.recover
-    if cfg.parallelism.dp_shard > 1:
-        raise ConfigError(
-            "recover.exact: true is implemented for the 3D engine (parallelism.dp_shard: 1); HSDP "
-            "accumulates FSDP's reduce-scattered floats, whose sum is not exact"
-        )
-    if r.policy == "adaptive_world":
-        raise ConfigError(
-            "recover.exact: true cannot be used with recover.policy: adaptive_world, which changes the "
-            "batch when a replica is lost; exact mode equals the fault-free run only with static_world"
-        )
-    if r.checkpoint_restart:
-        raise ConfigError("recover.exact: true needs recover.mode: forward (or recover.enabled: false)")
-    bits = r.exact_fraction_bits
-    if not 8 <= bits <= 56:
-        raise ConfigError(f"recover.exact_fraction_bits must be between 8 and 56, got {bits}")
 
 
 def _validate_fault(cfg: Config, f: FaultSpec, where: str) -> None:

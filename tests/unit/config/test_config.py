@@ -12,7 +12,9 @@ from nanotron_recover.config import (
     Config,
     ConfigError,
     NanosetDatasetsArgs,
+    RecoverArgs,
     RejoinArgs,
+    SnapshotArgs,
     apply_override,
     check_world_size,
     config_from_dict,
@@ -1309,3 +1311,23 @@ def test_dump_config_round_trips_paths_lists_and_floats(tmp_path: Path):
 def test_dump_config_round_trips_an_unvalidated_nanotron_config():
     cfg = from_dict(Config, load_yaml(NANOTRON))
     assert from_dict(Config, yaml.safe_load(dump_config(cfg))) == cfg
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: RecoverArgs(heartbeat_period_s=1.0, heartbeat_timeout_s=2.0), "must be greater than 3 x"),
+        (
+            lambda: RecoverArgs(exact=True, exact_fraction_bits=4),
+            "exact_fraction_bits must be between 8 and 56",
+        ),
+        (lambda: RejoinArgs(hosts=["a b"]), "is not a host"),
+        (lambda: SnapshotArgs(interval=-1), "recover.snapshot.interval must be >= 0"),
+        (lambda: SnapshotArgs(replicas_per_coordinate=0), "replicas_per_coordinate must be >= 1"),
+    ],
+)
+def test_recover_sections_check_their_own_fields_when_built(build, message):
+    """Like Nanotron's *Args, a recover section refuses a bad value when it is built, config file
+    or not; only the checks that need other sections wait for validate_config."""
+    with pytest.raises(ConfigError, match=message):
+        build()
