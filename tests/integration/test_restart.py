@@ -179,10 +179,9 @@ def test_relaunches_after_progress_until_the_run_completes(tmp_path, capsys):
 
 def test_restart_incidents_reach_wandb(tmp_path, monkeypatch):
     """The launcher's restart incidents (with their stall) go to incidents.jsonl and to W&B."""
-    from test_wandb_logger import read_offline_run
-
     from nanotron_recover.config import load_config
     from nanotron_recover.restart import Restart, _write_incidents
+    from tests.helpers.wandb_offline import read_offline_run
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
