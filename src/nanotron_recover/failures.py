@@ -22,6 +22,10 @@ Kinds (:class:`Kind`), what a rank knows about why a replica was lost or the job
 
 Phases (:class:`Phase`), where a rank is in a step: the ones a fault can be injected at
 (:data:`INJECTABLE_PHASES`) and the ones a rank reports when it leaves.
+
+Injected kinds (:class:`InjectedKind`), what a ``recover.faults`` entry does to its victim: ``kill``
+(SIGKILL, recorded as a ``crash``), ``freeze`` (SIGSTOP, recorded as a ``hang``) or ``error`` (an
+exception while computing a micro-batch).
 """
 
 from __future__ import annotations
@@ -73,6 +77,12 @@ class Phase(_Name):
     FINISH = "finish"
 
 
+class InjectedKind(_Name):
+    KILL = "kill"
+    FREEZE = "freeze"
+    ERROR = "error"
+
+
 # What a failure record can say (``ft/records.py``).
 RECORD_KINDS: tuple[Kind, ...] = (
     Kind.CRASH,
@@ -119,6 +129,9 @@ INJECTABLE_PHASES: tuple[Phase, ...] = (
 PLAIN_PHASES: tuple[Phase, ...] = (Phase.FORWARD, Phase.BACKWARD, Phase.REDUCE, Phase.OPTIMIZER, Phase.SAVE)
 # Phases in which micro-batches are computed: the only ones where an injected exception can fire.
 ERROR_PHASES: tuple[Phase, ...] = (Phase.FORWARD, Phase.BACKWARD, Phase.RECOVERY)
+# Injected kinds a checkpoint-restart run can take: it recovers only from a dead rank (a relaunch);
+# a frozen rank or an exception in its step is what forward recovery's detectors are for.
+PLAIN_INJECTED_KINDS: tuple[InjectedKind, ...] = (InjectedKind.KILL,)
 
 
 def stop_bit(kind: Kind | str) -> int:

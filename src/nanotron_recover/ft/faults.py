@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import FaultSpec, RecoverArgs
-from ..failures import Kind, Phase
+from ..failures import InjectedKind, Kind, Phase
 from .failstop import fail_stop
 from .records import faults_dir, read_records, write_record
 
@@ -37,11 +37,11 @@ class InjectedError(RuntimeError):
 @dataclass(frozen=True)
 class ScheduledFault:
     step: int
-    phase: str
+    phase: Phase
     microbatch: int
     replica: int | None
     rank: int | None
-    kind: str = "kill"
+    kind: InjectedKind = InjectedKind.KILL
     id: int | None = None
     persistent: bool = False
 
@@ -70,11 +70,11 @@ class FaultInjector:
         return faults
 
     def is_victim(self, fault: ScheduledFault | FaultSpec) -> bool:
-        if fault.kind == "error":
+        if fault.kind == InjectedKind.ERROR:
             return False  # hits whoever computes its micro-batch id, see maybe_raise
         return fault.rank == self.rank if fault.rank is not None else fault.replica == self.replica
 
-    def maybe_fail(self, phase: str, index: int = 0) -> None:
+    def maybe_fail(self, phase: Phase | str, index: int = 0) -> None:
         """Die (or freeze) here if a fault is scheduled for this rank at (current step, ``phase``,
         ``index``)."""
         for fault in self.current:
@@ -82,11 +82,11 @@ class FaultInjector:
                 name = self._record_name(fault)
                 if (faults_dir(self.run_dir) / f"{name}.json").exists():
                     continue  # fired in an earlier incarnation of this job
-                kind = Kind.HANG if fault.kind == "freeze" else Kind.CRASH
+                kind = Kind.HANG if fault.kind == InjectedKind.FREEZE else Kind.CRASH
                 record = {"rank": self.rank, "replica": self.replica, "step": fault.step}
                 write_record(self.run_dir, name, {**record, "phase": phase, "kind": kind, "injected": True})
                 where = f"rank {self.rank} (replica {self.replica}) at step {self.step} {phase} #{index}"
-                if fault.kind == "freeze":
+                if fault.kind == InjectedKind.FREEZE:
                     print(f"[injected freeze pid={os.getpid()}] {where}", flush=True)
                     os.kill(os.getpid(), signal.SIGSTOP)
                     # Woken up: this process was removed from the job while it slept; it must not
@@ -97,7 +97,7 @@ class FaultInjector:
     def maybe_raise(self, microbatch_id: int) -> None:
         """Raise :class:`InjectedError` if a ``kind: error`` fault targets ``microbatch_id`` now."""
         for fault in self.current:
-            if fault.kind != "error" or fault.id != microbatch_id:
+            if fault.kind != InjectedKind.ERROR or fault.id != microbatch_id:
                 continue
             if not fault.persistent:
                 fired = faults_dir(self.run_dir) / f"step{fault.step}_error_id{fault.id}.fired"

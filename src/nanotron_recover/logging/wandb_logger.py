@@ -24,6 +24,7 @@ import netrc
 import os
 import warnings
 from collections.abc import Mapping
+from enum import Enum
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -115,6 +116,8 @@ def _json_safe(value: Any) -> Any:
         return {str(k): _json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_json_safe(v) for v in value]
+    if isinstance(value, Enum):  # a name of the failure vocabulary: its plain string
+        return value.value
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
