@@ -8,12 +8,12 @@ from pathlib import Path
 import yaml
 
 from .loader import ConfigError, apply_override, from_dict, load_yaml, to_dict
+from .recover import FaultSpec, RandomFaults, RecoverArgs, RejoinArgs, SnapshotArgs
 from .schema import (
     CheckpointsArgs,
     Config,
     DataArgs,
     DatasetStageArgs,
-    FaultSpec,
     GeneralArgs,
     HFDatasetArgs,
     InitMethod,
@@ -27,10 +27,6 @@ from .schema import (
     ParallelismArgs,
     ProfilerArgs,
     Qwen2Config,
-    RandomFaults,
-    RecoverArgs,
-    RejoinArgs,
-    SnapshotArgs,
     TokenizerArgs,
     TokensArgs,
     WandbArgs,

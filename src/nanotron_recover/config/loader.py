@@ -18,6 +18,7 @@ import dataclasses
 import re
 import types
 import typing
+from enum import Enum
 from pathlib import Path
 from typing import Any, Union
 
@@ -28,6 +29,18 @@ from ..errors import InputError
 
 class ConfigError(InputError):
     """A config that cannot be used; the message says which field and what to change."""
+
+
+class SectionError(ConfigError):
+    """A section refused its own fields (its ``__post_init__``) without knowing where it sits.
+
+    A section that can appear at several places (an entry of ``recover.faults``) names itself with
+    its usual path; :func:`from_dict` builds it at a known path and puts that one in front of
+    ``rest``, so the message names the entry the file wrote ("recover.faults[3]: ...")."""
+
+    def __init__(self, section: str, rest: str):
+        super().__init__(section + rest)
+        self.rest = rest
 
 
 # PyYAML follows YAML 1.1, where a float needs a dot and a signed exponent: ``1e-3`` and ``1.0e5``
@@ -110,7 +123,8 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         if value is False and "off" in allowed:
             value = "off"  # YAML 1.1 reads a bare `off` as false
         if value not in allowed:
-            raise ConfigError(f"{where}: must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+            names = ", ".join(repr(a.value if isinstance(a, Enum) else a) for a in allowed)
+            raise ConfigError(f"{where}: must be one of {names}, got {value!r}")
         return value
     if tp is bool:
         if not isinstance(value, bool):
@@ -175,7 +189,12 @@ def from_dict(cls: type, data: dict, where: str = "") -> Any:
             continue
         key = f"{where}.{f.name}" if where else f.name
         kwargs[f.name] = _convert(data[f.name], hints[f.name], key)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except SectionError as e:
+        if not where:
+            raise
+        raise ConfigError(where + e.rest) from None
 
 
 def to_dict(obj: Any) -> Any:
@@ -189,6 +208,8 @@ def to_dict(obj: Any) -> Any:
         return {k: to_dict(v) for k, v in obj.items()}
     if isinstance(obj, Path):
         return str(obj)
+    if isinstance(obj, Enum):  # a name of the failure vocabulary (a phase, a kind): its plain string
+        return obj.value
     return obj
 
 

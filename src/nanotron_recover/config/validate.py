@@ -20,9 +20,10 @@ from typing import Any
 
 import yaml
 
-from ..failures import ERROR_PHASES, Phase
+from ..failures import InjectedKind, Phase
 from .loader import ConfigError
-from .schema import Config, FaultSpec, HFDatasetArgs, NanosetDatasetsArgs
+from .recover import FaultSpec
+from .schema import Config, HFDatasetArgs, NanosetDatasetsArgs
 
 
 def validate_config(cfg: Config, check_paths: bool = True) -> None:
@@ -643,7 +644,7 @@ def _validate_optimizer(cfg: Config) -> None:
 
 def _validate_recover(cfg: Config, check_paths: bool = True) -> None:
     """The ``recover.*`` checks that need other sections (each ``recover`` dataclass checks its own
-    fields when it is built, in ``schema.py``)."""
+    fields when it is built, in ``recover.py``)."""
     r, dp = cfg.recover, cfg.parallelism.dp
     if not 1 <= r.min_replicas <= dp:
         raise ConfigError(f"recover.min_replicas={r.min_replicas} must be between 1 and parallelism.dp={dp}")
@@ -669,17 +670,13 @@ def _validate_recover(cfg: Config, check_paths: bool = True) -> None:
 
 
 def _validate_fault(cfg: Config, f: FaultSpec, where: str) -> None:
-    """One ``recover.faults`` entry: its victim, its step and phase, and the fields its kind uses."""
+    """One ``recover.faults`` entry against the rest of the config: its step, its victim, the
+    micro-batch id of kind error, and phase save's checkpoints (the entry checks which fields its
+    kind uses itself, :class:`~.recover.FaultSpec`)."""
     dp, world, steps = cfg.parallelism.dp, cfg.world_size, cfg.tokens.train_steps
     if not 1 <= f.step <= steps:
         raise ConfigError(f"{where}: step {f.step} is outside 1..tokens.train_steps={steps}")
-    if f.kind == "error":
-        # The exception follows the micro-batch, not a process: whoever computes id raises it.
-        if f.replica is not None or f.rank is not None:
-            raise ConfigError(
-                f"{where}: kind error fires in whichever replica computes micro-batch id; "
-                "remove replica and rank"
-            )
+    if f.kind == InjectedKind.ERROR:
         b = cfg.microbatches_per_step
         first, end = (f.step - 1) * b, f.step * b
         if f.id is None:
@@ -692,28 +689,11 @@ def _validate_fault(cfg: Config, f: FaultSpec, where: str) -> None:
                 f"{where}: id {f.id} is not computed in step {f.step}: choose id in [{first}, {end}) "
                 f"(parallelism.dp * tokens.batch_accumulation_per_replica = {b} micro-batches per step)"
             )
-        if f.phase not in ERROR_PHASES:
-            raise ConfigError(
-                f"{where}: kind error fires while a micro-batch is computed, so phase must be one of "
-                f"{', '.join(ERROR_PHASES)}, got {f.phase!r}"
-            )
-        if f.microbatch != 0:
-            raise ConfigError(f"{where}: microbatch is not used by kind error (id names the micro-batch)")
     else:
-        if (f.replica is None) == (f.rank is None):
-            raise ConfigError(f"{where}: set exactly one of replica or rank")
         if f.replica is not None and not 0 <= f.replica < dp:
             raise ConfigError(f"{where}: replica {f.replica} does not exist (parallelism.dp={dp})")
         if f.rank is not None and not 0 <= f.rank < world:
             raise ConfigError(f"{where}: rank {f.rank} does not exist (world size {world})")
-        if f.id is not None:
-            raise ConfigError(
-                f"{where}: id is only for kind error; kind {f.kind} picks its victim with replica or rank"
-            )
-        if f.persistent:
-            raise ConfigError(f"{where}: persistent is only for kind error; remove it from kind {f.kind}")
-        if f.microbatch < 0:
-            raise ConfigError(f"{where}: microbatch must be >= 0")
     if f.phase == Phase.SAVE:
         interval = cfg.checkpoints.checkpoint_interval
         if interval < 1:

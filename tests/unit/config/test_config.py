@@ -11,6 +11,7 @@ import yaml
 from nanotron_recover.config import (
     Config,
     ConfigError,
+    FaultSpec,
     NanosetDatasetsArgs,
     RecoverArgs,
     RejoinArgs,
@@ -397,6 +398,10 @@ RECOVER_ON = "recover.enabled=true"
             "recover.faults[0]: set exactly one of replica or rank",
         ),
         ([RECOVER_ON, "recover.faults=[{step: 2}]"], "recover.faults[0]: set exactly one of replica or rank"),
+        (
+            [RECOVER_ON, "recover.faults=[{step: 2, replica: 1}, {step: 3}]"],
+            "recover.faults[1]: set exactly one of replica or rank",
+        ),
         (
             [RECOVER_ON, "recover.faults=[{step: 2, replica: 1}, {step: 3, replica: 2}]"],
             "recover.faults[1]: replica 2 does not exist (parallelism.dp=2)",
@@ -1322,12 +1327,18 @@ def test_dump_config_round_trips_an_unvalidated_nanotron_config():
             "exact_fraction_bits must be between 8 and 56",
         ),
         (lambda: RejoinArgs(hosts=["a b"]), "is not a host"),
+        (lambda: FaultSpec(step=2), r"^recover\.faults\[\?\]: set exactly one of replica or rank$"),
+        (
+            lambda: FaultSpec(step=2, kind="error", id=9, phase="reduce"),
+            "phase must be one of forward, backward",
+        ),
         (lambda: SnapshotArgs(interval=-1), "recover.snapshot.interval must be >= 0"),
         (lambda: SnapshotArgs(replicas_per_coordinate=0), "replicas_per_coordinate must be >= 1"),
     ],
 )
 def test_recover_sections_check_their_own_fields_when_built(build, message):
     """Like Nanotron's *Args, a recover section refuses a bad value when it is built, config file
-    or not; only the checks that need other sections wait for validate_config."""
+    or not; only the checks that need other sections wait for validate_config. A fault built outside
+    a file does not know its index in recover.faults."""
     with pytest.raises(ConfigError, match=message):
         build()
