@@ -24,10 +24,13 @@ FILENAME = "generation.json"
 class Relaunch:
     generation: int  # of the job being launched
     cause: str  # failures.Kind: node_lost or job_lost
-    ended_at: float  # wall clock when the previous job was found ended
+    ended_at: float  # wall clock when the previous job's mpirun exited
     last_committed: int  # the last step the previous generation committed
     hosts_lost: list[str] = field(default_factory=list)
     hosts: list[str] = field(default_factory=list)  # where the new job runs (empty: as before)
+    cleanup_s: float = 0.0  # from the previous job's end to the hosts' probe (its leftovers ended)
+    probe_s: float = 0.0  # asking which hosts still answer
+    launched_at: float = 0.0  # wall clock when the new job was started
 
 
 def read_relaunch(run_dir: str | Path) -> Relaunch | None:

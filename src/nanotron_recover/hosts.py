@@ -2,10 +2,14 @@
 
 Under Slurm the job's hosts are its allocation (``SLURM_JOB_NODELIST``; the job script asks for
 ``--no-kill``, so the allocation outlives a lost node). A host answers when Slurm does not mark it
-down and a one-task step on it (``srun --overlap``) starts within a deadline. A relaunched
-``mpirun`` is told the answering hosts (``--host``), and ``plm_slurm_args --overlap``: the previous
-job's step that started the runtime's daemons never ends (its lost node cannot confirm), and without
-``--overlap`` the new daemons would wait for its resources forever.
+down and a one-task step on it (``srun --overlap``) starts within a deadline. The hosts are
+probed at once, each within ``PROBE_TIMEOUT_S``: a lost node that Slurm has not yet marked down
+costs one deadline, not one per lost node. A relaunched ``mpirun`` is told the answering hosts with
+as many slots each as the job placed per node (``--host a:R,b:R``, ``R`` from ``--map-by
+ppr:R:node``), and ``plm_slurm_args --overlap``: the previous job's step that started the runtime's
+daemons never ends (its lost node cannot confirm), and without ``--overlap`` the new daemons would
+wait for its resources forever. When the answering hosts hold fewer ranks than the job had, it is
+relaunched narrower (:func:`relaunch_ranks`): whole replicas only, the same ``B`` shared by fewer.
 
 Outside Slurm (one host, or ``mpirun`` with a hostfile) there is nothing to probe: the job is
 relaunched as it was.
@@ -14,11 +18,13 @@ relaunched as it was.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-PROBE_TIMEOUT_S = 15.0
+PROBE_TIMEOUT_S = 10.0
 # sinfo's short states of a node that cannot run a job (a trailing * means "not responding").
 DEAD_STATES = ("down", "drain", "drng", "fail", "failg", "maint", "boot", "powered_down", "pow_dn")
 
@@ -50,7 +56,11 @@ class HostPlan:
         """The hosts Slurm does not mark down and that start a probe step within the deadline."""
         states = self._states()
         alive = [h for h in self.hosts if not _dead(states.get(h, ""))]
-        return [h for h in alive if self._probe(h)]
+        if not alive:
+            return []
+        with ThreadPoolExecutor(max_workers=min(32, len(alive))) as pool:
+            answers = list(pool.map(self._probe, alive))
+        return [h for h, ok in zip(alive, answers, strict=True) if ok]
 
     def _states(self) -> dict[str, str]:
         try:
@@ -78,13 +88,48 @@ def _dead(state: str) -> bool:
     return state.endswith("*") or any(state.startswith(d) for d in DEAD_STATES)
 
 
-def relaunch_command(cmd: list[str], hosts: list[str]) -> list[str]:
-    """``cmd`` (an ``mpirun`` line) restricted to ``hosts``, with the overlap a relaunch inside the
+def slots_per_host(cmd: list[str]) -> int:
+    """The ranks ``cmd`` places on each node (``--map-by ppr:R:node``), 1 when it does not say."""
+    for i, a in enumerate(cmd[:-1]):
+        if a == "--map-by":
+            m = re.match(r"ppr:(\d+):node", cmd[i + 1])
+            if m:
+                return int(m.group(1))
+    return 1
+
+
+def ranks_of(cmd: list[str]) -> int | None:
+    """``cmd``'s ``-n``/``-np`` value, None when it has none."""
+    for i, a in enumerate(cmd[:-1]):
+        if a in ("-n", "-np", "--np"):
+            return int(cmd[i + 1])
+    return None
+
+
+def relaunch_ranks(cmd: list[str], hosts: list[str], replica_size: int) -> int:
+    """How many ranks a relaunch of ``cmd`` on ``hosts`` runs: as many as before when the hosts
+    hold them, else the whole replicas that fit (possibly 0)."""
+    room = len(hosts) * slots_per_host(cmd)
+    before = ranks_of(cmd)
+    fit = room // replica_size * replica_size
+    return fit if before is None else min(before, fit)
+
+
+def relaunch_command(cmd: list[str], hosts: list[str], ranks: int | None = None) -> list[str]:
+    """``cmd`` (an ``mpirun`` line) restricted to ``hosts`` (as many slots on each as ``cmd``
+    placed per node) and, when given, to ``ranks`` ranks; with the overlap a relaunch inside the
     same Slurm allocation needs."""
     if not cmd or not os.path.basename(cmd[0]).startswith("mpirun"):
         return cmd
-    extra = ["--host", ",".join(hosts), "--prtemca", "plm_slurm_args", "--overlap"]
-    return [cmd[0], *extra, *_without_host(cmd[1:])]
+    slots = slots_per_host(cmd)
+    extra = ["--host", ",".join(f"{h}:{slots}" for h in hosts), "--prtemca", "plm_slurm_args", "--overlap"]
+    rest = _without_host(cmd[1:])
+    if ranks is not None:
+        for i, a in enumerate(rest[:-1]):
+            if a in ("-n", "-np", "--np"):
+                rest = [*rest[: i + 1], str(ranks), *rest[i + 2 :]]
+                break
+    return [cmd[0], *extra, *rest]
 
 
 def _without_host(args: list[str]) -> list[str]:
@@ -97,7 +142,7 @@ def _without_host(args: list[str]) -> list[str]:
         if a == "--host":
             skip = 1
             continue
-        if a == "--prtemca" and i + 2 < len(args) + 1 and args[i + 1 : i + 2] == ["plm_slurm_args"]:
+        if a == "--prtemca" and args[i + 1 : i + 2] == ["plm_slurm_args"]:
             skip = 2
             continue
         out.append(a)

@@ -172,5 +172,7 @@ def launch(
             target_step=target,
             env=launch_env(),
             relaunches=cfg.recover.max_restarts,
+            replica_size=cfg.parallelism.replica_size,
+            min_replicas=cfg.recover.min_replicas,
         )
     return supervise(cmd, run_dir, grace_s=grace_s, target_step=target, env=launch_env())

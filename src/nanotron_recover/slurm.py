@@ -270,6 +270,8 @@ def render_sbatch(
         "TARGET_STEP": str(cfg.tokens.train_steps),
         # Forward recovery: a job ended by a lost node is relaunched inside the allocation.
         "RELAUNCHES": str(cfg.recover.max_restarts if cfg.recover.forward else 0),
+        "REPLICA_SIZE": str(cfg.parallelism.replica_size),
+        "MIN_REPLICAS": str(cfg.recover.min_replicas),
         "NCCL_TIMEOUT_S": str(int(max(cfg.recover.watchdog_timeout_s or 600, cfg.recover.gate_timeout_s))),
         "WANDB_ENV": _wandb_env(wandb),
         "CONFIG": shlex.quote(config_path),

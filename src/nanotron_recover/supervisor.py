@@ -18,7 +18,9 @@ and the job ends without an outcome record. So does a job whose every replica wa
 supervisor relaunches the job inside the same allocation, on the hosts that still answer
 (:mod:`.hosts`), as generation ``n+1`` (:mod:`.generation`); the new job starts from the replicas'
 node-memory snapshots (``data_parallel/forward/restore.py``) or, without them, from the latest disk
-checkpoint. A relaunch happens only after the previous job committed a new step (a job that dies
+checkpoint. When the answering hosts cannot hold every replica (a node lost and no spare), the job
+is relaunched with the whole replicas that fit, down to ``recover.min_replicas``; the same ``B`` is
+shared by fewer replicas, as after an in-step repair. A relaunch happens only after the previous job committed a new step (a job that dies
 before that would die again), at most ``recover.max_restarts`` times.
 
 ``python -m nanotron_recover.supervisor supervise --run-dir D [--relaunches N] -- CMD...`` runs
@@ -40,7 +42,7 @@ from typing import Any
 
 from .failures import Kind
 from .generation import Relaunch, clear_relaunch, write_relaunch
-from .hosts import HostPlan, relaunch_command
+from .hosts import HostPlan, relaunch_command, relaunch_ranks
 from .logging.metrics import read_metrics
 from .outcome import SUPERVISED_ENV, clear_outcome, exit_code_of, read_outcome
 
@@ -48,6 +50,9 @@ PREFIX = "nanotron-recover launch"
 POLL_S = 0.5  # how often the supervisor looks for the outcome record while mpirun runs
 TERM_WAIT_S = 5.0  # between SIGTERM and SIGKILL when ending leftover processes
 LINGER_S = 3.0  # how long processes may outlive mpirun before they count as left behind
+# After a job lost as a whole, its leftovers are stale: a short wait, then SIGKILL.
+RELAUNCH_LINGER_S = 0.5
+RELAUNCH_TERM_WAIT_S = 1.0
 GRACE_EXTRA_S = 10.0
 
 
@@ -75,6 +80,7 @@ class Supervised:
     outcome: dict[str, Any] | None
     ended: list[str] = field(default_factory=list)  # "pid N (name)" of leftovers the supervisor ended
     interrupted_by: int | None = None  # a SIGINT/SIGTERM from the user, forwarded to the command
+    exited_at: float | None = None  # wall clock when the command exited (or was ended)
 
 
 def _log(prefix: str) -> Callable[[str], None]:
@@ -177,6 +183,7 @@ def run_supervised(
     timeout_s: float | None = None,
     log: Callable[[str], None] | None = None,
     term_wait_s: float = TERM_WAIT_S,
+    linger_s: float = LINGER_S,
 ) -> Supervised:
     """Run ``cmd`` (usually mpirun) in a session of its own until it exits, or until ``grace_s``
     after the run recorded that it completed; then end whatever of it is left.
@@ -196,10 +203,12 @@ def run_supervised(
     recorded_at: float | None = None
     ended: list[str] = []
     returncode: int | None = None
+    exited_at: float | None = None
     try:
         while True:
             try:
                 returncode = proc.wait(timeout=POLL_S)
+                exited_at = time.time()
                 break
             except subprocess.TimeoutExpired:
                 pass
@@ -214,6 +223,7 @@ def run_supervised(
                 if outcome is not None and outcome.get("status") == "completed":
                     recorded_at = now
             elif now - recorded_at > grace_s:
+                exited_at = time.time()
                 ended = end_session(proc, term_wait_s)
                 outcome = read_outcome(run_dir)
                 log(
@@ -223,7 +233,7 @@ def run_supervised(
                 break
         # mpirun gone by itself: anything still in its session a moment later (an orphaned rank)
         # goes too. The moment lets helpers that exit with their parent (W&B's service) do so.
-        if returncode is not None and _wait_empty(proc.pid, LINGER_S):
+        if returncode is not None and _wait_empty(proc.pid, linger_s):
             ended = end_session(proc, term_wait_s)
             log(f"mpirun exited (status {returncode}) leaving processes behind: ended {', '.join(ended)}")
     except BaseException:
@@ -240,6 +250,7 @@ def run_supervised(
         outcome=outcome,
         ended=ended,
         interrupted_by=received[0] if received else None,
+        exited_at=exited_at,
     )
 
 
@@ -319,16 +330,29 @@ def run_relaunching(
     hosts: HostPlan | None = None,
     timeout_s: float | None = None,
     prefix: str = PREFIX,
+    replica_size: int = 1,
+    min_replicas: int = 1,
 ) -> int:
     """Forward recovery's supervisor: :func:`run_supervised`, and while the job ends without an
     outcome record after committing a new step, relaunch it (at most ``relaunches`` times) on the
-    hosts that still answer (``hosts``, default: the Slurm allocation, if any); the exit status."""
+    hosts that still answer (``hosts``, default: the Slurm allocation, if any), with as many whole
+    replicas of ``replica_size`` ranks as they hold (at least ``min_replicas``); the exit status."""
     log = _log(prefix)
     hosts = HostPlan.from_slurm() if hosts is None else hosts
     clear_relaunch(run_dir)
     generation, before, launch_cmd = 0, last_committed_step(run_dir), cmd
     while True:
-        result = run_supervised(launch_cmd, run_dir, grace_s=grace_s, env=env, timeout_s=timeout_s, log=log)
+        # A job lost with a node leaves steps (srun) that SIGTERM cannot end: no long waits for them.
+        result = run_supervised(
+            launch_cmd,
+            run_dir,
+            grace_s=grace_s,
+            env=env,
+            timeout_s=timeout_s,
+            log=log,
+            term_wait_s=RELAUNCH_TERM_WAIT_S,
+            linger_s=RELAUNCH_LINGER_S,
+        )
         if result.outcome is not None or result.interrupted_by is not None:
             return report(result, run_dir, target_step=target_step, log=log)
         after = last_committed_step(run_dir)
@@ -340,18 +364,33 @@ def run_relaunching(
             )
             log(f"not relaunching: {why}")
             return report(result, run_dir, target_step=target_step, log=log)
-        ended_at = time.time()
+        ended_at = result.exited_at or time.time()
+        probe_start = time.time()
         answering = hosts.answering() if hosts is not None else []
+        probe_s = time.time() - probe_start
         lost = [h for h in hosts.hosts if h not in answering] if hosts is not None else []
+        width = ""
+        if lost:
+            ranks = relaunch_ranks(cmd, answering, replica_size)
+            if ranks < max(1, min_replicas) * replica_size:
+                log(
+                    f"not relaunching: hosts {', '.join(lost)} lost, and the {len(answering)} that answer "
+                    f"hold {ranks // replica_size} replica(s), below recover.min_replicas={min_replicas}"
+                )
+                return report(result, run_dir, target_step=target_step, log=log)
+            launch_cmd = relaunch_command(cmd, answering, ranks)
+            width = f", {ranks // replica_size} replica(s) on {', '.join(answering)}"
         generation += 1
         cause = Kind.NODE_LOST if lost else Kind.JOB_LOST
-        write_relaunch(run_dir, Relaunch(generation, cause, ended_at, after, lost, answering))
-        if lost:
-            launch_cmd = relaunch_command(cmd, answering)
+        cleanup_s = max(0.0, probe_start - ended_at)
+        relaunch = Relaunch(
+            generation, cause, ended_at, after, lost, answering, cleanup_s, probe_s, time.time()
+        )
+        write_relaunch(run_dir, relaunch)
         what = f"hosts {', '.join(lost)} lost" if lost else "every replica lost"
         log(
             f"the job ended without an outcome after step {after} ({what}): relaunching it "
-            f"(generation {generation}, {relaunches - generation} relaunches left)"
+            f"(generation {generation}{width}, {relaunches - generation} relaunches left)"
         )
         before = after
 
@@ -386,9 +425,24 @@ def main(argv: list[str] | None = None) -> int:
         help="relaunch a job that ended without an outcome (a lost node) up to this many times "
         "(forward recovery; default: %(default)s)",
     )
+    p.add_argument(
+        "--replica-size",
+        type=int,
+        default=1,
+        help="ranks per data-parallel replica: a relaunch on fewer hosts runs whole replicas "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--min-replicas",
+        type=int,
+        default=1,
+        help="no relaunch with fewer replicas than this (recover.min_replicas; default: %(default)s)",
+    )
     args = parser.parse_args(own)
     if not cmd:
         p.error("no command after --")
+    if args.replica_size < 1 or args.min_replicas < 0:
+        p.error("--replica-size must be >= 1 and --min-replicas >= 0")
     if args.relaunches > 0:
         return run_relaunching(
             cmd,
@@ -397,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
             relaunches=args.relaunches,
             target_step=args.target_step,
             prefix=args.prefix,
+            replica_size=args.replica_size,
+            min_replicas=args.min_replicas,
         )
     return supervise(
         cmd, args.run_dir, grace_s=args.grace_s, target_step=args.target_step, prefix=args.prefix

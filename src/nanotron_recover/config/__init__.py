@@ -31,7 +31,7 @@ from .schema import (
     TokensArgs,
     WandbArgs,
 )
-from .validate import check_world_size, config_notes, validate_config
+from .validate import check_world_size, config_notes, launched_replicas, validate_config
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +98,7 @@ __all__ = [
     "add_config_arguments",
     "apply_override",
     "check_world_size",
+    "launched_replicas",
     "config_notes",
     "config_from_dict",
     "dump_config",

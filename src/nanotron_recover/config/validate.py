@@ -274,6 +274,26 @@ def check_world_size(cfg: Config, world_size: int) -> None:
         )
 
 
+def launched_replicas(cfg: Config, world_size: int, relaunched: bool) -> int:
+    """How many replicas a launched world of ``world_size`` ranks holds: all ``dp`` at launch
+    (:func:`check_world_size`); a job relaunched on fewer hosts than it had may hold fewer, whole
+    replicas, down to ``recover.min_replicas`` (the others count as lost, and the same ``B`` is
+    shared by those that run)."""
+    if not relaunched or world_size == cfg.world_size:
+        check_world_size(cfg, world_size)
+        return cfg.parallelism.dp
+    p = cfg.parallelism
+    size = p.replica_size
+    replicas, extra = divmod(world_size, size)
+    least = max(1, cfg.recover.min_replicas)
+    if extra or not least <= replicas <= p.dp:
+        raise ConfigError(
+            f"relaunched on {world_size} ranks: a relaunch runs whole replicas of {size} ranks, "
+            f"between recover.min_replicas={least} and dp={p.dp} of them"
+        )
+    return replicas
+
+
 FixedField = tuple[str, Callable[[Config], Any], tuple[Any, ...], str]
 
 

@@ -177,8 +177,11 @@ class FaultTolerantComm:
     """Membership, world epochs and fault-tolerant DP reductions for one rank.
 
     Args:
-        tp, pp, n_replicas: the initial grid; the launch communicator must have
-            ``tp * pp * n_replicas`` ranks, laid out as in :mod:`.topology`.
+        tp, pp, n_replicas: the grid at full width, laid out as in :mod:`.topology`.
+        launched_replicas: how many replicas the launch communicator holds (default
+            ``n_replicas``): it must have ``tp * pp * launched_replicas`` ranks, which take
+            replicas ``0 .. launched_replicas - 1``; the others start out lost. A job relaunched
+            on fewer hosts than it had starts narrower this way, with the same grid.
         comm: the launch communicator (default ``MPI.COMM_WORLD``); it is
             ``Dup``-ed, not modified.
         on_leave: called with the :class:`RecoveryResult` on a rank that must leave
@@ -208,20 +211,24 @@ class FaultTolerantComm:
         fault_hook: Callable[[str], None] | None = None,
         on_failure_notice: Callable[[list[int], float], None] | None = None,
         park_orphans: bool = False,
+        launched_replicas: int | None = None,
     ) -> None:
         base = MPI.COMM_WORLD if comm is None else comm
-        self._setup(tp, pp, n_replicas, on_leave, fault_hook, park_orphans)
-        if base.Get_size() != self.topology.world_size:
+        launched = n_replicas if launched_replicas is None else launched_replicas
+        if not 1 <= launched <= n_replicas:
+            raise ValueError(f"launched_replicas must be in 1..{n_replicas}, got {launched}")
+        self._setup(tp, pp, n_replicas, on_leave, fault_hook, park_orphans, launched)
+        if base.Get_size() != launched * self.topology.replica_size:
             raise ValueError(
                 f"communicator has {base.Get_size()} ranks, expected "
-                f"n_replicas*pp*tp = {n_replicas}*{pp}*{tp} = {self.topology.world_size}"
+                f"replicas*pp*tp = {launched}*{pp}*{tp} = {launched * self.topology.replica_size}"
             )
         self._global: MPI.Comm = base.Dup()
         self._global.Set_errhandler(MPI.ERRORS_RETURN)
         # Logical rank (the place in the grid) of each rank of the global communicator. At launch
         # it is the launch rank; a process spawned by a re-join takes the logical rank of the dead
         # process it replaces. Failed ranks are always reported as logical ranks.
-        self._logical: list[int] = list(range(self.topology.world_size))
+        self._logical: list[int] = list(range(base.Get_size()))
         self.coords: RankCoords = self.topology.coords(self._global.Get_rank())
         self._replica_comm, self._dp_comm = split_derived(self._global, self.coords, active=True)
         # Who is who: (host, pid) of every logical rank, to tell a hung failed rank from a crashed
@@ -259,18 +266,20 @@ class FaultTolerantComm:
         on_leave: Callable[[RecoveryResult], None] | None,
         fault_hook: Callable[[str], None] | None,
         park_orphans: bool,
+        launched_replicas: int | None = None,
     ) -> None:
         self.topology = Topology(tp=tp, pp=pp, n_replicas=n_replicas)
+        launched = n_replicas if launched_replicas is None else launched_replicas
         self._on_leave = on_leave
         self._fault_hook = fault_hook
         self._park_orphans = park_orphans
         self._epoch = 0
-        self._alive_replicas: list[int] = list(range(n_replicas))
-        self._alive_ranks: list[int] = list(range(self.topology.world_size))
+        self._alive_replicas: list[int] = list(range(launched))
+        self._alive_ranks: list[int] = list(range(launched * self.topology.replica_size))
         self._parked_ranks: list[int] = []
         # Epoch since which each replica has been alive without interruption: the longest-serving
         # replica keeps the logging and checkpoint-writing roles when others re-join.
-        self._alive_since: dict[int, int] = {r: 0 for r in range(n_replicas)}
+        self._alive_since: dict[int, int] = {r: 0 for r in range(launched)}
         self._closed = False
         # True while this rank is inside allreduce_/agree/recover: MPI itself will tell it about
         # failures then, so the failure watch leaves it alone.

@@ -21,6 +21,7 @@ from nanotron_recover.config import (
     config_from_dict,
     dump_config,
     from_dict,
+    launched_replicas,
     load_config,
 )
 from nanotron_recover.config.loader import load_yaml
@@ -1342,3 +1343,30 @@ def test_recover_sections_check_their_own_fields_when_built(build, message):
     a file does not know its index in recover.faults."""
     with pytest.raises(ConfigError, match=message):
         build()
+
+
+def test_a_relaunch_may_run_fewer_whole_replicas():
+    cfg = tiny("parallelism.tp=2", "parallelism.pp=2", "parallelism.dp=3")
+    assert launched_replicas(cfg, 12, relaunched=False) == 3
+    assert launched_replicas(cfg, 12, relaunched=True) == 3
+    assert launched_replicas(cfg, 8, relaunched=True) == 2
+    assert launched_replicas(cfg, 4, relaunched=True) == 1
+
+
+@pytest.mark.parametrize("world_size", [6, 16, 0])
+def test_a_relaunch_refuses_a_partial_replica_or_a_wider_world(world_size: int):
+    cfg = tiny("parallelism.tp=2", "parallelism.pp=2", "parallelism.dp=3")
+    with pytest.raises(
+        ConfigError, match=r"relaunch runs whole replicas of 4 ranks, between recover.min_replicas=1 and dp=3"
+    ):
+        launched_replicas(cfg, world_size, relaunched=True)
+
+
+def test_a_launch_is_not_narrowed_and_a_relaunch_not_below_min_replicas():
+    cfg = tiny("parallelism.tp=2", "parallelism.pp=2", "parallelism.dp=3")
+    with pytest.raises(ConfigError, match=r"^world size 8 != tp\*pp\*dp"):
+        launched_replicas(cfg, 8, relaunched=False)
+    cfg = tiny("parallelism.dp=3", "recover.enabled=true", "recover.min_replicas=2")
+    assert launched_replicas(cfg, 2, relaunched=True) == 2
+    with pytest.raises(ConfigError, match=r"between recover.min_replicas=2 and dp=3"):
+        launched_replicas(cfg, 1, relaunched=True)

@@ -156,21 +156,33 @@ class Incidents:
         self.s.parts.log_incident(record)
 
     # -- relaunch incidents --------------------------------------------------------------------
-    def relaunched(self, first_step: int, relaunch: Relaunch, state_from: str) -> None:
+    def relaunched(
+        self, first_step: int, relaunch: Relaunch, state_from: str, restored_at: float | None = None
+    ) -> None:
         """The relaunch this job is (a lost node, or every replica lost), written by the logging
         rank once the job committed its first step: ``restart_s`` runs from the end of the previous
-        job to this commit; the steps after the restored one were redone with the same ids."""
+        job (its mpirun's exit) to this commit, in parts: ``cleanup_s`` (its leftovers ended),
+        ``probe_s`` (which hosts answer), ``start_s`` (the new job started, up to its state restored
+        from node snapshots or the disk checkpoint chosen) and ``first_step_s`` (the rest, up to the
+        commit). The steps after the restored one were redone with the same ids."""
         if not self.members.is_logger():
             return
         self.members.check_member()
         restored = first_step - 1
+        now = time.time()
+        launched = relaunch.launched_at or relaunch.ended_at
+        restored_at = restored_at or launched
         record = {
             "step": first_step,
             "kind": relaunch.cause,
             "generation": relaunch.generation,
             "hosts_lost": relaunch.hosts_lost,
             "hosts": relaunch.hosts,
-            "restart_s": max(0.0, time.time() - relaunch.ended_at),
+            "restart_s": max(0.0, now - relaunch.ended_at),
+            "cleanup_s": relaunch.cleanup_s,
+            "probe_s": relaunch.probe_s,
+            "start_s": max(0.0, restored_at - launched),
+            "first_step_s": max(0.0, now - restored_at),
             "state_from": state_from,
             "restored_step": restored,
             "steps_redone": max(0, relaunch.last_committed - restored),

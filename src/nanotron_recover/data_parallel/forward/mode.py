@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ...config import Config, check_world_size
+from ...config import Config, launched_replicas
 from ...errors import StopRun
 from ...failures import Phase, classify
 from ...ft.failstop import Watchdog
@@ -84,6 +85,7 @@ class ForwardRecovery:
         self.snapshots: NodeSnapshots | None = None
         self.relaunch: Relaunch | None = None  # this job's relaunch record, until its incident
         self.state_from: str | None = None  # where a relaunched job's state came from
+        self.restored_at: float | None = None  # wall clock when a relaunched job had its state
 
     # -- set-up ----------------------------------------------------------------------------
     def setup_world(self) -> tuple[World, ParallelContext, JoinedState | None]:
@@ -107,9 +109,9 @@ class ForwardRecovery:
                 raise
             self.members.watch_spawned_processes()
             return joined.world, joined.ctx, joined
-        check_world_size(s.cfg, MPI.COMM_WORLD.Get_size())
+        launched = launched_replicas(s.cfg, MPI.COMM_WORLD.Get_size(), relaunched=s.generation > 0)
         # A replica is p.inner x p.pp ranks: tp ranks (3D) or shard ranks (HSDP) along the inside.
-        s.ftc = FaultTolerantComm(p.inner, p.pp, p.dp, **callbacks)
+        s.ftc = FaultTolerantComm(p.inner, p.pp, p.dp, launched_replicas=launched, **callbacks)
         s.my_replica_ranks = s.replica_ranks()
         world = init_replica_world(s.ftc)
         ctx = ParallelContext.create(p.inner, p.pp, 1, world.device)
@@ -147,6 +149,7 @@ class ForwardRecovery:
         found = None
         if store is not None:
             found = restore_from_snapshots(s.ftc, store, s.cfg.parallelism.replica_size, at_most)
+        self.restored_at = time.time()
         if found is None:
             if s.ftc.rank == 0:
                 print(
@@ -197,7 +200,7 @@ class ForwardRecovery:
         if self.relaunch is not None and self.relaunch.generation == s.generation:
             # The first commit of a relaunched job: its incident (the first step is restored + 1).
             state_from = self.state_from or ("checkpoint" if step > 1 else "start")
-            self.incidents.relaunched(step, self.relaunch, state_from)
+            self.incidents.relaunched(step, self.relaunch, state_from, self.restored_at)
             self.relaunch = None
         self._snapshot(step)
         if s.rejoin_on:
