@@ -3,13 +3,18 @@
 Under Slurm the job's hosts are its allocation (``SLURM_JOB_NODELIST``; the job script asks for
 ``--no-kill``, so the allocation outlives a lost node). A host answers when Slurm does not mark it
 down and a one-task step on it (``srun --overlap``) starts within a deadline. The hosts are
-probed at once, each within ``PROBE_TIMEOUT_S``: a lost node that Slurm has not yet marked down
-costs one deadline, not one per lost node. A relaunched ``mpirun`` is told the answering hosts with
-as many slots each as the job placed per node (``--host a:R,b:R``, ``R`` from ``--map-by
-ppr:R:node``), and ``plm_slurm_args --overlap``: the previous job's step that started the runtime's
-daemons never ends (its lost node cannot confirm), and without ``--overlap`` the new daemons would
-wait for its resources forever. When the answering hosts hold fewer ranks than the job had, it is
-relaunched narrower (:func:`relaunch_ranks`): whole replicas only, the same ``B`` shared by fewer.
+probed at once. A lost node that Slurm does not yet mark down (that takes ``SlurmdTimeout``, often
+minutes) never answers, so the probe does not wait for it long: once some host answered, the
+others get ``PROBE_SLACK`` times as long as the slowest answer so far took (at least
+``PROBE_MIN_S``, at most ``PROBE_TIMEOUT_S`` in all). A busy controller slows every answer alike,
+and the wait grows with it.
+
+A relaunched ``mpirun`` is told the answering hosts with as many slots each as the job placed per
+node (``--host a:R,b:R``, ``R`` from ``--map-by ppr:R:node``), and ``plm_slurm_args --overlap``: the
+previous job's step that started the runtime's daemons never ends (its lost node cannot confirm),
+and without ``--overlap`` the new daemons would wait for its resources forever. When the answering
+hosts hold fewer ranks than the job had, it is relaunched narrower (:func:`relaunch_ranks`): whole
+replicas only, the same ``B`` shared by fewer.
 
 Outside Slurm (one host, or ``mpirun`` with a hostfile) there is nothing to probe: the job is
 relaunched as it was.
@@ -21,10 +26,13 @@ import os
 import re
 import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-PROBE_TIMEOUT_S = 10.0
+PROBE_TIMEOUT_S = 15.0
+PROBE_MIN_S = 2.0
+PROBE_SLACK = 4.0
 # sinfo's short states of a node that cannot run a job (a trailing * means "not responding").
 DEAD_STATES = ("down", "drain", "drng", "fail", "failg", "maint", "boot", "powered_down", "pow_dn")
 
@@ -58,9 +66,26 @@ class HostPlan:
         alive = [h for h in self.hosts if not _dead(states.get(h, ""))]
         if not alive:
             return []
-        with ThreadPoolExecutor(max_workers=min(32, len(alive))) as pool:
-            answers = list(pool.map(self._probe, alive))
-        return [h for h, ok in zip(alive, answers, strict=True) if ok]
+        ok: set[str] = set()
+        pool = ThreadPoolExecutor(max_workers=min(32, len(alive)))
+        try:
+            pending = {pool.submit(self._probe, h): h for h in alive}
+            start = time.monotonic()
+            limit = start + PROBE_TIMEOUT_S
+            deadline = limit
+            while pending and time.monotonic() < deadline:
+                done, _ = wait(pending, timeout=deadline - time.monotonic(), return_when=FIRST_COMPLETED)
+                for future in done:
+                    if future.result():
+                        ok.add(pending[future])
+                        # The slowest answer so far sets how long the rest may take.
+                        took = time.monotonic() - start
+                        deadline = min(limit, start + max(PROBE_MIN_S, PROBE_SLACK * took))
+                    del pending[future]
+        finally:
+            # A probe of a lost host ends at its own timeout, in the background.
+            pool.shutdown(wait=False, cancel_futures=True)
+        return [h for h in alive if h in ok]
 
     def _states(self) -> dict[str, str]:
         try:

@@ -82,3 +82,25 @@ def test_no_host_left_means_no_probe(monkeypatch):
     monkeypatch.setattr(HostPlan, "_probe", staticmethod(lambda host: pytest.fail("probed")))
     assert plan.answering() == []
     assert hosts_module.PROBE_TIMEOUT_S > 0
+
+
+def test_a_host_that_does_not_answer_is_not_waited_for_long(monkeypatch):
+    """The live hosts answer at once; a lost one would hang until its own timeout, but the probe
+    stops waiting for it a few answer-times later and counts it lost."""
+    plan = HostPlan(["a", "b", "lost"])
+    monkeypatch.setattr(plan, "_states", lambda: {})
+    monkeypatch.setattr(hosts_module, "PROBE_MIN_S", 0.2)
+    released = threading.Event()
+
+    def probe(host: str) -> bool:
+        if host == "lost":
+            released.wait(timeout=30)  # a probe of a dead node: no answer until released
+            return False
+        return True
+
+    monkeypatch.setattr(HostPlan, "_probe", staticmethod(probe))
+    try:
+        assert plan.answering() == ["a", "b"]
+        assert not released.is_set()  # returned while the lost host's probe was still waiting
+    finally:
+        released.set()
