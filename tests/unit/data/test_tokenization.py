@@ -1,6 +1,6 @@
 """A tokenizer is identified by content: any spelling of one tokenizer is accepted, another is refused.
 
-Tokenizers are built here, offline: the session's stdlib-docstring BPE (512 ids, ``local_dataset``)
+Tokenizers are built here, offline: the stdlib-docstring BPE of the ``local_dataset`` fixture (512 ids)
 and another one trained on the same text with 300 ids. ``check_same_tokenizer`` is given what a
 Nanoset folder's metadata records (the spelling, the fingerprint or none) and the spelling of the
 config.
@@ -52,7 +52,7 @@ def fresh_cache() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def tok(local_dataset, tmp_path_factory) -> Path:
-    """A private copy of the session's tokenizer folder, in a folder of its own (for relative paths)."""
+    """A private copy of the ``local_dataset`` tokenizer, in a folder of its own (for relative paths)."""
     root = tmp_path_factory.mktemp("tok")
     return Path(shutil.copytree(local_dataset.tokenizer_dir, root / "tokenizer"))
 
