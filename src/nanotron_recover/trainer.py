@@ -51,6 +51,7 @@ from .logging.progress import Progress
 from .logging.wandb_logger import RunLogger, run_name_for_config
 from .optim import lr_at
 from .outcome import write_outcome
+from .parallel.world import deterministic_kernels
 
 HISTORY_STEPS = 64  # recent step records every rank keeps, for a logger that takes over
 
@@ -82,6 +83,9 @@ class DistributedTrainer:
         self.world, self.ctx, joined = self.dp_mode.setup_world()
         if self.world.device.type == "cpu":
             set_cpu_threads()
+        # Exact mode on CUDA: deterministic kernels, set before the engine makes its first cuBLAS call.
+        kernels = deterministic_kernels(self.world.device.type) if cfg.recover.exact else None
+        self._startup_lines = [kernels] if kernels is not None else []
         self.B = cfg.microbatches_per_step
         self.G = cfg.tokens.batch_accumulation_per_replica
         ck = cfg.checkpoints
@@ -265,7 +269,7 @@ class DistributedTrainer:
         results = []
         if self.dp_mode.is_logger():
             # Fields accepted although they run differently here (same math) say so once.
-            for note in config_notes(self.cfg):
+            for note in config_notes(self.cfg) + self._startup_lines:
                 print(f"[nanotron-recover] {note}", flush=True)
             # A resumed run redoes the steps after its checkpoint: drop their old records.
             self._start_reporting(truncate_after_step=self.start_step)

@@ -54,7 +54,8 @@ class ParallelismArgs:
     context_parallel_size: int = 1
     # Whether sequence parallelism re-gathers its input in backward instead of keeping it: memory
     # only, and with tp_mode running as ALL_REDUCE here there is no gather, so either value runs
-    # the same (as in Nanotron with ALL_REDUCE).
+    # the same (as in Nanotron with ALL_REDUCE); false with REDUCE_SCATTER is noted
+    # (validate.NOTED_FIELDS).
     tp_recompute_allgather: bool = True
     # Recomputation of MoE layers (examples/config_resume_training.yaml; not in Nanotron main's
     # ParallelismArgs): a dense model has none, so true is noted as changing nothing.

@@ -495,6 +495,18 @@ NOTED_FIELDS: list[NotedField] = [
         "runs synchronously here: same math, tensor-parallel communication does not overlap compute",
     ),
     (
+        "parallelism.tp_recompute_allgather",
+        # Nanotron reads it only for sequence parallelism (REDUCE_SCATTER over several tensor ranks).
+        lambda c: (
+            c.parallelism.tp_recompute_allgather
+            if c.parallelism.tp > 1 and c.parallelism.tp_mode == "REDUCE_SCATTER"
+            else True
+        ),
+        (True,),
+        "changes nothing here: tp_mode runs as ALL_REDUCE, whose tensor-parallel layers all-gather no "
+        "input, so there is none to keep for the backward pass or to gather again",
+    ),
+    (
         "parallelism.recompute_layer",
         lambda c: c.parallelism.recompute_layer,
         (False,),

@@ -12,7 +12,8 @@ Training data on disk is a *Nanoset folder*: what datatrove's ``DocumentTokenize
   folder (``nanotron-recover preprocess``, :func:`tokenize_to_nanoset`).
 * :mod:`.convert` -- a corpus of the old ``tokens.bin`` + ``index.json`` format into a Nanoset
   folder (``nanotron-recover convert-corpus``).
-* :mod:`.tokenization` -- loading a tokenizer, and its content fingerprint.
+* :mod:`.tokenization` -- loading a tokenizer, its content fingerprint, and the check that a folder
+  was tokenized with the config's tokenizer, however either spells it.
 * :mod:`.local_corpus` -- stdlib docstrings as an offline dataset + tokenizer for tests and demos.
 
 Every name is imported eagerly, torch included (via ``.microbatches``), as the trainer needs

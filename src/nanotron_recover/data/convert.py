@@ -5,14 +5,17 @@ Before datatrove wrote our training data, ``preprocess`` produced a folder of tw
 * ``tokens.bin``: every document's token ids followed by the eos id, back to back, as raw
   little-endian uint16 (vocabularies of up to 65,535 ids) or uint32;
 * ``index.json``: ``num_tokens``, ``num_documents``, ``vocab_size``, ``dtype``, ``tokenizer``,
-  ``eos_token_id``, ``complete`` and more (source, resume state) that a Nanoset has no use for.
+  ``eos_token_id``, ``complete``, ``tokenizer_fingerprint`` and more (source, resume state) that a
+  Nanoset has no use for.
 
 Training now reads Nanoset folders only (what datatrove's ``DocumentTokenizer`` writes, see
 :mod:`.preprocess`), so an existing corpus is converted once instead of tokenized again: the same
 ids, in the same order, become one ``00000_converted.ds`` with its ``.ds.index`` (document ends,
 little-endian uint64) and ``.ds.metadata`` (``tokenizer|token_size``, the token count, the count
 in words) -- byte for byte what ``DocumentTokenizer`` writes for those documents without
-shuffling. The token size follows datatrove's rule (4 bytes for more than 65,536 ids, else 2), so
+shuffling -- plus, when the old index recorded the tokenizer's fingerprint (the same content
+fingerprint, :func:`.tokenization.tokenizer_fingerprint`), the line ``tokenizer_fingerprint=...``
+that ``preprocess`` adds too, by which training compares the tokenizer. The token size follows datatrove's rule (4 bytes for more than 65,536 ids, else 2), so
 a uint32 corpus of a 65,536-id vocabulary becomes uint16; ids that do not fit are refused.
 
 Document ends are found from the eos ids, as the old format kept documents only that way. A
@@ -34,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from nanotron_recover.data.nanoset import fingerprint_line
 from nanotron_recover.data.preprocess import NanosetSummary, summarize_nanoset
 from nanotron_recover.errors import InputError
 
@@ -88,7 +92,8 @@ def convert_corpus(old: str | Path, new: str | Path, *, tokenizer: str | None = 
     """Write the old-format corpus at ``old`` as a Nanoset folder ``new``; its summary.
 
     ``tokenizer`` replaces the name the old index records (e.g. when the tokenizer folder has
-    moved): it is what the metadata says and what training compares with its config.
+    moved): it is what the metadata says. The index's tokenizer fingerprint, if it has one, is kept
+    whatever the name: it is what training compares with the config's tokenizer.
     """
     import humanize  # datatrove's own dependency, and how its metadata writes the count in words
 
@@ -124,10 +129,12 @@ def convert_corpus(old: str | Path, new: str | Path, *, tokenizer: str | None = 
                 ends_out.write(ends.tobytes())
             if int(tokens[-1]) != eos:
                 ends_out.write(np.array([num_tokens], dtype="<u8").tobytes())  # a last document cut short
-        # The format of datatrove's TokenizedFile.write_final_metadata, exactly.
-        temps[".metadata"].write_text(
-            f"{name}|{token_size}\n{num_tokens}\n{humanize.metric(num_tokens, unit='T')}", encoding="utf-8"
-        )
+        # The format of datatrove's TokenizedFile.write_final_metadata, exactly, and the fingerprint.
+        lines = [f"{name}|{token_size}", str(num_tokens), humanize.metric(num_tokens, unit="T")]
+        fingerprint = index.get("tokenizer_fingerprint")
+        if isinstance(fingerprint, str) and fingerprint.startswith("sha256:"):
+            lines.append(fingerprint_line(fingerprint))
+        temps[".metadata"].write_text("\n".join(lines), encoding="utf-8")
         for suffix in (".index", ".metadata", ""):  # the .ds last: readers look for *.ds
             os.replace(temps[suffix], paths[suffix])
     finally:

@@ -51,7 +51,7 @@ BOS_TOKEN_ID = 0
 EOS_TOKEN_ID = 1
 
 # Bump when anything below changes what gets built, so stale cached builds are not reused.
-_BUILD_VERSION = 2  # 2: Nanoset folders written by datatrove
+_BUILD_VERSION = 3  # 2: Nanoset folders written by datatrove; 3: their metadata records the fingerprint
 
 # Pure-Python, side-effect-free modules with substantial documentation. Deliberately a fixed
 # list rather than sys.stdlib_module_names: some stdlib modules open windows or browsers on

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from nanotron_recover.data.nanoset import NanosetMicroBatches, same_tokenizer, summarize_nanoset
+from nanotron_recover.data.nanoset import NanosetMicroBatches, summarize_nanoset
+from nanotron_recover.data.tokenization import check_same_tokenizer
 from nanotron_recover.errors import InputError
 
 if TYPE_CHECKING:
@@ -123,8 +124,9 @@ def build_microbatch_source(
     * a folder is missing, holds no ``*.ds`` files, or a file is truncated or lacks its index or
       metadata (:func:`~nanotron_recover.data.nanoset.summarize_nanoset`);
     * with ``tokenizer_name_or_path`` given (config ``validate_tokenizer: true``), a folder was
-      tokenized with another tokenizer; ``tokenizer_name``, ``token_size_in_bytes`` or
-      ``vocab_size`` of the config disagree with the folders;
+      tokenized with another tokenizer: compared by content, so any spelling of the same tokenizer
+      passes (:func:`~nanotron_recover.data.tokenization.check_same_tokenizer`); ``tokenizer_name``,
+      ``token_size_in_bytes`` or ``vocab_size`` of the config disagree with the folders;
     * a folder is too small for one sample, or the weights do not match the folders;
     * ``micro_batch_size``, ``sequence_length`` or ``vocab_size`` is not a positive integer, or
       ``seed`` is negative.
@@ -136,19 +138,24 @@ def build_microbatch_source(
     folders = [summarize_nanoset(path) for path in dataset.read_paths()]
     for folder in folders:
         where = f"dataset folder {str(folder.folder)!r}"
-        if tokenizer_name_or_path is not None and not same_tokenizer(
-            folder.tokenizer, tokenizer_name_or_path
-        ):
-            raise InputError(
-                f"{where} was tokenized with {folder.tokenizer!r}, not tokenizer.tokenizer_name_or_path "
-                f"{tokenizer_name_or_path!r}: tokenize it again with `nanotron-recover preprocess --tokenizer "
-                f"{tokenizer_name_or_path}`, or set validate_tokenizer: false on the dataset"
+        if tokenizer_name_or_path is not None:
+            check_same_tokenizer(
+                folder.tokenizer,
+                folder.tokenizer_fingerprint,
+                tokenizer_name_or_path,
+                where=where,
+                setting="tokenizer.tokenizer_name_or_path",
+                remedy=f"tokenize it again with `nanotron-recover preprocess --tokenizer {tokenizer_name_or_path}`, "
+                "or set validate_tokenizer: false on the dataset",
             )
-        if dataset.tokenizer_name is not None and not same_tokenizer(
-            folder.tokenizer, dataset.tokenizer_name
-        ):
-            raise InputError(
-                f"{where} was tokenized with {folder.tokenizer!r}, not tokenizer_name {dataset.tokenizer_name!r}"
+        if dataset.tokenizer_name is not None:
+            check_same_tokenizer(
+                folder.tokenizer,
+                folder.tokenizer_fingerprint,
+                dataset.tokenizer_name,
+                where=where,
+                setting="tokenizer_name",
+                remedy="set tokenizer_name to the folder's tokenizer, or remove it",
             )
         if dataset.token_size_in_bytes is not None and dataset.token_size_in_bytes != folder.token_size:
             raise InputError(

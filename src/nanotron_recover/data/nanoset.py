@@ -3,10 +3,12 @@
 A Nanoset folder is what datatrove's ``DocumentTokenizer`` writes (``nanotron-recover preprocess``,
 or Nanotron's ``tools/preprocess_data.py``): ``*.ds`` files of raw little-endian token ids (2 or 4
 bytes each), a ``*.ds.index`` of uint64 document ends per file, and a ``*.ds.metadata`` whose first
-line is ``tokenizer_name_or_path|token_size``. Samples are read through datatrove's
-``DatatroveFolderDataset``: sample ``i`` of a folder is the ``i``-th window of ``sequence_length + 1``
-tokens, files in name order, windows never crossing a file's end (its tail shorter than a window is
-never read). A folder of ``T_f`` tokens per file holds ``n = sum_f T_f // (L + 1)`` samples.
+line is ``tokenizer_name_or_path|token_size``, then the token count (and the count in words); the
+folders ``preprocess`` and ``convert-corpus`` write add a line ``tokenizer_fingerprint=sha256:...``,
+the content fingerprint of the tokenizer (:mod:`.tokenization`), which other readers ignore.
+Samples are read through datatrove's ``DatatroveFolderDataset``: sample ``i`` of a folder is the
+``i``-th window of ``sequence_length + 1`` tokens, files in name order, windows never crossing a
+file's end (its tail shorter than a window is never read). A folder of ``T_f`` tokens per file holds ``n = sum_f T_f // (L + 1)`` samples.
 
 The sampling rule
 -----------------
@@ -43,16 +45,17 @@ stage and epoch kept, like Nanotron's index.
 from __future__ import annotations
 
 import math
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 import torch
 
-from nanotron_recover.data.tokenization import load_tokenizer, tokenizer_fingerprint
+from nanotron_recover.data.tokenization import FINGERPRINT_KEY, short_fingerprint
 from nanotron_recover.errors import InputError
 
 # Keep this many epoch permutations per stream; two covers ids straddling an epoch boundary.
@@ -73,6 +76,9 @@ class NanosetSummary:
     num_documents: int
     tokenizer: str  # tokenizer_name_or_path, from the metadata
     token_size: int  # bytes per token id: 2 (uint16) or 4 (uint32)
+    # The tokenizer's content fingerprint, where the metadata records it (None: an older folder, or
+    # one from another tool).
+    tokenizer_fingerprint: str | None = None
 
     @property
     def dtype(self) -> str:
@@ -91,7 +97,8 @@ def summarize_nanoset(folder: str | Path) -> NanosetSummary:
     subfolders, as Nanotron reads them); each ``X.ds`` has its ``X.ds.index`` and ``X.ds.metadata``,
     and sizes that agree (a whole number of ids; the last document end and the metadata's count
     equal to the ids in it: a truncated copy is refused, not read short); every file names the same
-    tokenizer and token size. An InputError, one line, names the first problem.
+    tokenizer and token size, and the files that record a tokenizer fingerprint record the same
+    one. An InputError, one line, names the first problem.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -109,8 +116,9 @@ def summarize_nanoset(folder: str | Path) -> NanosetSummary:
         raise InputError(f"dataset folder {str(folder)!r} holds no Nanoset files (*.ds): {hint}")
     num_tokens = num_documents = 0
     first: tuple[str, int] | None = None
+    fingerprint: tuple[str, str] | None = None  # (file, fingerprint) of the first file recording one
     for ds in files:
-        tokenizer, token_size, count = read_metadata(ds)
+        tokenizer, token_size, count, recorded = read_metadata(ds)
         if first is None:
             first = (tokenizer, token_size)
         elif (tokenizer, token_size) != first:
@@ -118,6 +126,15 @@ def summarize_nanoset(folder: str | Path) -> NanosetSummary:
                 f"{ds.name} was written with tokenizer {tokenizer!r} ({token_size}-byte ids) but "
                 f"{files[0].name} with {first[0]!r} ({first[1]}-byte ids): one folder, one tokenizer"
             )
+        if recorded is not None:
+            if fingerprint is None:
+                fingerprint = (ds.name, recorded)
+            elif recorded != fingerprint[1]:
+                raise InputError(
+                    f"{ds.name} records tokenizer fingerprint {short_fingerprint(recorded)} but "
+                    f"{fingerprint[0]} {short_fingerprint(fingerprint[1])}, under one name {tokenizer!r}: "
+                    "one folder, one tokenizer"
+                )
         size = ds.stat().st_size
         index = Path(f"{ds}.index")
         if not index.is_file():
@@ -132,11 +149,22 @@ def summarize_nanoset(folder: str | Path) -> NanosetSummary:
         num_tokens += tokens
         num_documents += index_size // 8
     assert first is not None
-    return NanosetSummary(folder, files, num_tokens, num_documents, first[0], first[1])
+    return NanosetSummary(
+        folder, files, num_tokens, num_documents, first[0], first[1], fingerprint[1] if fingerprint else None
+    )
 
 
-def read_metadata(ds: Path) -> tuple[str, int, int]:
-    """(tokenizer name, token size, token count) from ``ds``'s ``.ds.metadata``."""
+class DsMetadata(NamedTuple):
+    """What a ``.ds.metadata`` says."""
+
+    tokenizer: str
+    token_size: int
+    count: int
+    tokenizer_fingerprint: str | None  # None when the file records none
+
+
+def read_metadata(ds: Path) -> DsMetadata:
+    """Tokenizer name, token size, token count and tokenizer fingerprint from ``ds``'s ``.ds.metadata``."""
     path = Path(f"{ds}.metadata")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -150,7 +178,28 @@ def read_metadata(ds: Path) -> tuple[str, int, int]:
         ) from None
     if token_size not in (2, 4):
         raise InputError(f"{path.name}: token size {token_size}, expected 2 or 4 bytes")
-    return name, token_size, count
+    prefix = f"{FINGERPRINT_KEY}="
+    recorded = [line.removeprefix(prefix).strip() for line in lines[2:] if line.startswith(prefix)]
+    return DsMetadata(name, token_size, count, recorded[-1] if recorded and recorded[-1] else None)
+
+
+def fingerprint_line(fingerprint: str) -> str:
+    """The ``.ds.metadata`` line that records a tokenizer's content fingerprint."""
+    return f"{FINGERPRINT_KEY}={fingerprint}"
+
+
+def record_fingerprint(ds: Path, fingerprint: str) -> None:
+    """Add (or replace) the fingerprint line of ``ds``'s ``.ds.metadata``, atomically; the other
+    lines stay as they are."""
+    path = Path(f"{ds}.metadata")
+    lines = [
+        line
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if not line.startswith(f"{FINGERPRINT_KEY}=")
+    ]
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("\n".join([*lines, fingerprint_line(fingerprint)]), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _last_end(index: Path) -> int:
@@ -160,24 +209,6 @@ def _last_end(index: Path) -> int:
     with open(index, "rb") as f:
         f.seek(size - size % 8 - 8)
         return int.from_bytes(f.read(8), "little")
-
-
-def same_tokenizer(a: str, b: str) -> bool:
-    """Whether two tokenizer names mean one tokenizer: equal names, the same local folder, or
-    local folders with the same contents (a corpus built next to a copy of its tokenizer)."""
-    if a == b:
-        return True
-    pa, pb = Path(a), Path(b)
-    if pa.is_dir() and pb.is_dir():
-        if pa.resolve() == pb.resolve():
-            return True
-        try:
-            return tokenizer_fingerprint(load_tokenizer(str(pa), offline=True)) == tokenizer_fingerprint(
-                load_tokenizer(str(pb), offline=True)
-            )
-        except Exception:  # a folder that is not a loadable tokenizer is not the same tokenizer
-            return False
-    return False
 
 
 def blend_counts(weights: Sequence[float], n: int) -> list[int]:

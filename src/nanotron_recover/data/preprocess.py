@@ -6,7 +6,9 @@ A Nanoset folder is what datatrove's ``DocumentTokenizer`` writes and what train
 * ``<task>_<part>_doc_shuffled.ds``: the token ids of its documents back to back, little-endian
   uint16 (uint32 for vocabularies of more than 65,536 ids);
 * ``.ds.index``: where each document ends, in tokens, as little-endian uint64;
-* ``.ds.metadata``: ``tokenizer_name_or_path|token_size`` on the first line, then the token count.
+* ``.ds.metadata``: ``tokenizer_name_or_path|token_size`` on the first line, then the token count,
+  the count in words (datatrove's three lines), and ``tokenizer_fingerprint=sha256:...``, the
+  tokenizer's content fingerprint (:func:`.tokenization.tokenizer_fingerprint`).
 
 Preprocessing runs once, before training, so that the training loop only memory-maps token ids
 (no tokenizer, no dataset library, no network in the hot path).
@@ -23,8 +25,9 @@ this module adds around it:
   ``tokenizer.json`` may have them on, which would silently cut documents), and the post-processor
   appends the eos token -- the tokenizer's own unless ``eos_token`` says otherwise -- and nothing
   else (no bos). One eos per document keeps documents apart once they are packed into samples.
-  The metadata names the tokenizer exactly as it was given: training compares that name with the
-  config's ``tokenizer.tokenizer_name_or_path``.
+  The metadata names the tokenizer exactly as it was given and records its fingerprint: training
+  compares the tokenizer of the config's ``tokenizer.tokenizer_name_or_path`` by that fingerprint,
+  so the config may spell it differently (:func:`.tokenization.check_same_tokenizer`).
 * Inputs are explicit: JSON-lines files, and folders of them (``*.jsonl`` / ``*.json``, optionally
   compressed; hidden entries skipped), are listed once, in the order given and sorted within a
   folder. Task ``r`` of ``T`` reads files ``r, r + T, ...`` -- a task reads whole files, so
@@ -61,7 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanotron_recover.data.nanoset import NanosetSummary, read_metadata, summarize_nanoset
+from nanotron_recover.data.nanoset import NanosetSummary, read_metadata, record_fingerprint, summarize_nanoset
 from nanotron_recover.data.tokenization import default_workers, load_tokenizer, tokenizer_fingerprint
 from nanotron_recover.errors import InputError
 
@@ -86,6 +89,16 @@ def _drop_empty_output(data: Any, rank: int, world_size: int, *, folder: str) ->
         if ds.stat().st_size == 0:
             for path in (ds, Path(f"{ds}.index"), Path(f"{ds}.metadata")):
                 path.unlink(missing_ok=True)
+
+
+def _record_fingerprint(data: Any, rank: int, world_size: int, *, folder: str, fingerprint: str) -> None:
+    """Last pipeline step: add the tokenizer's fingerprint to this task's ``.ds.metadata`` files.
+
+    datatrove writes its three lines; this adds the line training compares tokenizers by. A task
+    stopped before this step is not marked complete, so its rerun writes the files again.
+    """
+    for ds in Path(folder).glob(f"{rank:05d}_*.ds"):
+        record_fingerprint(ds, fingerprint)
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -237,7 +250,12 @@ def _plan(
     # takes an assigned value by design; it travels to the workers (and Slurm jobs) pickled.
     writer.tokenizer = prepared
     completed = len(list((logs / "completions").glob("[0-9]*"))) if (logs / "completions").is_dir() else 0
-    pipeline = [reader, writer, functools.partial(_drop_empty_output, folder=str(out))]
+    pipeline = [
+        reader,
+        writer,
+        functools.partial(_drop_empty_output, folder=str(out)),
+        functools.partial(_record_fingerprint, folder=str(out), fingerprint=fingerprint),
+    ]
     return _Plan(pipeline, out, logs, tasks, min(completed, tasks), text_key)
 
 

@@ -16,8 +16,10 @@ function of the set of micro-batch ids alone, whoever computed them and in whate
 this buffer and across replicas (an int64 MPI or gloo SUM). :attr:`fixed` is what crosses replicas;
 :meth:`materialize` turns the sum back into the fp32 :attr:`flat` (``q * 2^-bits``) for clipping
 and the optimizer. Costs: each micro-batch's gradient loses what lies below ``2^-bits`` (half a
-unit of rounding each, so at most ``B * 2^-(bits+1)`` per element in a step of ``B`` micro-batches);
-an int64 buffer beside the fp32 one (3x the gradient memory) and twice the reduction's bytes. A
+unit of rounding each, so at most ``B * 2^-(bits+1)`` per element in a step of ``B`` micro-batches:
+an absolute error, whatever the element's size); an int64 buffer beside the fp32 one (3x the
+gradient memory), a float64 temporary in :meth:`materialize`, twice the reduction's bytes, and on
+a GPU one host synchronisation per parameter and micro-batch for the range check. A
 micro-batch gradient element whose ``|q|`` could overflow the sum of ``max_terms`` such terms, or
 that is not finite, raises :class:`ExactOverflow`.
 """
@@ -86,6 +88,7 @@ class GradBuffer:
             # so is turning an integral float into int64; float64 would give the same integers slower.
             q = param.grad.float() * self._scale
             lo, hi = torch.aminmax(q)
+            # float() reads both on the host: on a GPU, one synchronisation per parameter and micro-batch.
             if not (-self._limit < float(lo) and float(hi) < self._limit):  # also catches NaN and inf
                 largest = max(abs(float(lo)), abs(float(hi)))
                 raise ExactOverflow(
@@ -99,9 +102,14 @@ class GradBuffer:
         return hook
 
     def materialize(self) -> None:
-        """Exact mode: the fp32 gradient of the summed fixed-point one (a no-op otherwise)."""
+        """Exact mode: the fp32 gradient of the summed fixed-point one (a no-op otherwise).
+
+        Goes through one float64 temporary the size of the buffer (8 bytes per parameter), where
+        an int64 sum below 2^53 and its scaling by a power of two are exact; the copy into fp32
+        then rounds once, as a float sum would be rounded.
+        """
         if self.fixed is not None:
-            self.flat.copy_(self.fixed.to(torch.float64) / self._scale)
+            self.flat.copy_(self.fixed.to(torch.float64).div_(self._scale))
 
     def zero_(self) -> None:
         self.flat.zero_()

@@ -6,7 +6,9 @@ over MPI; everyone then joins the torch world through that store. Without MPI (a
 run) the world is a single process. ``torchrun``-style ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``
 environments are honoured too.
 
-Device: CUDA + NCCL when a GPU is visible (one GPU per local rank), CPU + gloo otherwise.
+Device: CUDA + NCCL when a GPU is visible (one GPU per local rank), CPU + gloo otherwise. The
+bitwise-exact mode (``recover.exact``) asks for deterministic CUDA kernels on top
+(:func:`deterministic_kernels`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,51 @@ def pick_device(local_rank: int) -> tuple[torch.device, str]:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device()), "nccl"
     return torch.device("cpu"), "gloo"
+
+
+# cuBLAS is deterministic only with one of these workspace configurations (CUDA >= 10.2); the first
+# is the larger, faster one.
+CUBLAS_WORKSPACE_ENV = "CUBLAS_WORKSPACE_CONFIG"
+CUBLAS_DETERMINISTIC = ":4096:8"
+_CUBLAS_DETERMINISTIC_ANY = (":4096:8", ":16:8")
+
+
+def deterministic_kernels(device_type: str) -> str | None:
+    """Make the kernels of a bitwise-exact run on ``device_type`` deterministic; the start-up line.
+
+    Exact mode (``recover.exact``) makes the sums of micro-batch gradients order-free, which gives
+    bit-identical runs only if each micro-batch's gradient is itself the same bits every time. On
+    CUDA that takes deterministic kernels: this calls ``torch.use_deterministic_algorithms(True)``
+    (an operation without a deterministic CUDA kernel then raises instead of varying) and sets
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, which cuBLAS reads when it makes its first workspace, so
+    this runs before the first matrix product. A value already set is kept, and the line says so
+    (cuBLAS is deterministic with ``:4096:8`` or ``:16:8`` only). On any other device nothing is
+    changed and None is returned.
+    """
+    if device_type != "cuda":
+        return None
+    torch.use_deterministic_algorithms(True)
+    given = os.environ.get(CUBLAS_WORKSPACE_ENV)
+    if given is None:
+        os.environ[CUBLAS_WORKSPACE_ENV] = CUBLAS_DETERMINISTIC
+        return (
+            "recover.exact on CUDA: deterministic kernels (torch.use_deterministic_algorithms(True), "
+            f"{CUBLAS_WORKSPACE_ENV}={CUBLAS_DETERMINISTIC})"
+        )
+    if given == CUBLAS_DETERMINISTIC:
+        return (
+            "recover.exact on CUDA: deterministic kernels (torch.use_deterministic_algorithms(True), "
+            f"{CUBLAS_WORKSPACE_ENV}={given} as already set)"
+        )
+    consequence = (
+        "also deterministic, with a smaller workspace"
+        if given in _CUBLAS_DETERMINISTIC_ANY
+        else "cuBLAS is deterministic only with :4096:8 or :16:8, so a matrix product may raise"
+    )
+    return (
+        "warning: recover.exact on CUDA: deterministic kernels (torch.use_deterministic_algorithms(True)), "
+        f"but {CUBLAS_WORKSPACE_ENV}={given!r} is kept as set, not {CUBLAS_DETERMINISTIC}: {consequence}"
+    )
 
 
 def _host_address() -> str:

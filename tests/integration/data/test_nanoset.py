@@ -254,12 +254,41 @@ def test_tokenizer_and_metadata_fields_are_checked(folders):
 
 def test_local_tokenizer_copies_are_the_same_tokenizer(local_dataset, tmp_path):
     """A folder made with one copy of a local tokenizer trains with another copy of it."""
-    from nanotron_recover.data.nanoset import same_tokenizer
-
     twin = tmp_path / "tokenizer"
     shutil.copytree(local_dataset.tokenizer_dir, twin)
-    assert same_tokenizer(str(local_dataset.tokenizer_dir), str(twin))
-    assert not same_tokenizer(str(local_dataset.tokenizer_dir), "gpt2")
+    ds = NanosetDatasetsArgs(dataset_folder=str(local_dataset.corpus_dir))
+    kwargs = {"vocab_size": 512, "micro_batch_size": 1, "sequence_length": 8, "seed": 0}
+    build_microbatch_source(ds, tokenizer_name_or_path=str(twin / "tokenizer.json"), **kwargs)
+    with pytest.raises(InputError, match="cannot be loaded here to compare contents"):
+        build_microbatch_source(ds, tokenizer_name_or_path="gpt2-not-cached-here", **kwargs)
+
+
+def test_the_fingerprint_line_is_read_and_must_agree_within_a_folder(tmp_path):
+    from nanotron_recover.data.nanoset import read_metadata, record_fingerprint
+
+    write_nanoset(tmp_path / "f", 4, base=0, files=2)
+    files = sorted((tmp_path / "f").glob("*.ds"))
+    assert summarize_nanoset(tmp_path / "f").tokenizer_fingerprint is None  # as datatrove writes it
+    a, b = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    record_fingerprint(files[0], a)
+    datatrove_lines = Path(f"{files[1]}.metadata").read_text().splitlines()
+    assert Path(f"{files[0]}.metadata").read_text().splitlines() == [
+        *datatrove_lines,
+        f"tokenizer_fingerprint={a}",
+    ]
+    assert read_metadata(files[0]).tokenizer_fingerprint == a
+    # A folder resumed across versions may record it in some files only.
+    assert summarize_nanoset(tmp_path / "f").tokenizer_fingerprint == a
+    record_fingerprint(files[1], b)
+    with pytest.raises(
+        InputError,
+        match="00001_data.ds records tokenizer fingerprint sha256:bbbbbbbbbbbb but 00000_data.ds "
+        "sha256:aaaaaaaaaaaa, under one name 'tok': one folder, one tokenizer",
+    ):
+        summarize_nanoset(tmp_path / "f")
+    record_fingerprint(files[1], a)  # replaced, not added
+    assert Path(f"{files[1]}.metadata").read_text().count("tokenizer_fingerprint=") == 1
+    assert summarize_nanoset(tmp_path / "f").tokenizer_fingerprint == a
 
 
 def test_samples_outside_the_model_vocabulary_are_refused(folders):

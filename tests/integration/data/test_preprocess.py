@@ -118,10 +118,11 @@ def test_documents_are_the_tokenizer_ids_plus_one_eos_and_decode_back(c4_jsonl, 
     assert summary.num_tokens == sum(len(ids) for ids in expected)  # encoded lengths + one eos each
     assert (summary.tokenizer, summary.token_size, summary.dtype) == (tok_dir, 2, "uint16")
     assert [p.name for p in summary.files] == ["00000_00000_doc_shuffled.ds"]
-    assert Path(f"{summary.files[0]}.metadata").read_text().splitlines()[:2] == [
-        f"{tok_dir}|2",
-        str(summary.num_tokens),
-    ]
+    metadata = Path(f"{summary.files[0]}.metadata").read_text().splitlines()
+    assert metadata[:2] == [f"{tok_dir}|2", str(summary.num_tokens)]
+    # datatrove's three lines, then the fingerprint training compares the tokenizer by.
+    assert len(metadata) == 4 and metadata[3] == f"tokenizer_fingerprint={tokenizer_fingerprint(tok)}"
+    assert summary.tokenizer_fingerprint == tokenizer_fingerprint(tok)
     docs = documents(tmp_path / "out")
     assert Counter(map(tuple, docs)) == Counter(map(tuple, expected))
     assert all(d[-1] == eos for d in docs) and not any(tok.bos_token_id in d for d in docs)

@@ -1033,6 +1033,21 @@ def test_a_field_that_changes_no_math_loads_with_one_note(overrides: list[str], 
     assert "\n" not in notes[0]
 
 
+def test_tp_recompute_allgather_false_under_sequence_parallelism_is_noted():
+    """Nanotron reads tp_recompute_allgather only under REDUCE_SCATTER over several tensor ranks:
+    there, false is noted (no all-gather runs here); elsewhere it is ignored by Nanotron too."""
+    sp = ["parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"]
+    notes = config_notes(tiny(*sp, "parallelism.tp_recompute_allgather=false"))
+    assert [n for n in notes if "tp_recompute_allgather" in n] == [
+        "note: parallelism.tp_recompute_allgather false changes nothing here: tp_mode runs as ALL_REDUCE, "
+        "whose tensor-parallel layers all-gather no input, so there is none to keep for the backward pass "
+        "or to gather again"
+    ]
+    assert not any("tp_recompute_allgather" in n for n in config_notes(tiny(*sp)))
+    for other in (["parallelism.tp=2"], ["parallelism.tp=1", "parallelism.tp_mode=REDUCE_SCATTER"]):
+        assert config_notes(tiny(*other, "parallelism.tp_recompute_allgather=false")) == []
+
+
 def test_noted_fields_are_listed_once():
     keys = [key for key, *_ in NOTED_FIELDS]
     assert len(keys) == len(set(keys))

@@ -101,6 +101,22 @@ def test_conversion_is_what_document_tokenizer_writes(local_dataset, tmp_path):
     ]
 
 
+def test_the_old_index_fingerprint_is_recorded_whatever_the_name(tmp_path):
+    fp = "sha256:" + "5e" * 32
+    old = write_old(tmp_path / "old", [[5, 6, 1], [7, 1]], vocab_size=100, eos=1, tokenizer_fingerprint=fp)
+    summary = convert_corpus(old, tmp_path / "new", tokenizer="moved/tokenizer")
+    _, _, metadata = nanoset(tmp_path / "new")
+    assert metadata.splitlines() == ["moved/tokenizer|2", "5", "5.00 T", f"tokenizer_fingerprint={fp}"]
+    assert (summary.tokenizer, summary.tokenizer_fingerprint) == ("moved/tokenizer", fp)
+    # No fingerprint in the index: none in the metadata (training then loads the tokenizer it names).
+    assert (
+        convert_corpus(
+            write_old(tmp_path / "bare", [[5, 1]], vocab_size=100, eos=1), tmp_path / "b2"
+        ).tokenizer_fingerprint
+        is None
+    )
+
+
 def test_chunks_do_not_change_a_byte(tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
     docs = [list(rng.integers(2, 500, size=int(n))) + [1] for n in rng.integers(1, 40, size=50)]

@@ -88,3 +88,38 @@ def test_synthetic_get_is_a_pure_function_of_the_id(ids, seed, mbs):
     synth = SyntheticMicroBatches(VOCAB, mbs, L, seed)
     for m in ids:  # arbitrary order and repeats
         assert torch.equal(synth.get(m), SyntheticMicroBatches(VOCAB, mbs, L, seed).get(m))
+
+
+def test_a_corpus_trains_with_any_spelling_of_its_tokenizer_and_not_with_another(
+    local_dataset, tmp_path, monkeypatch
+):
+    """The check training runs at start-up: the folder's recorded fingerprint against the config's
+    tokenizer, however it is spelled; a tokenizer trained with another vocabulary is refused."""
+    from nanotron_recover.data import tokenization
+    from nanotron_recover.data.local_corpus import build_local_tokenizer
+
+    tokenization._fingerprint_of.cache_clear()
+    ds = NanosetDatasetsArgs(dataset_folder=str(local_dataset.corpus_dir))
+    kwargs = {"vocab_size": 512, "micro_batch_size": 1, "sequence_length": 8, "seed": 0}
+    tok = local_dataset.tokenizer_dir
+    monkeypatch.chdir(tok.parent)
+    for spelling in (str(tok / "tokenizer.json"), "tokenizer", "tokenizer/tokenizer.json", f"{tok}/"):
+        assert build_microbatch_source(ds, tokenizer_name_or_path=spelling, **kwargs).get(0).shape == (1, 9)
+    other = str(build_local_tokenizer(tmp_path / "other", vocab_size=300))
+    with pytest.raises(InputError) as info:
+        build_microbatch_source(ds, tokenizer_name_or_path=other, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(
+        f"dataset folder {str(local_dataset.corpus_dir)!r} was tokenized with {str(tok)!r} (sha256:"
+    )
+    assert f"), not tokenizer.tokenizer_name_or_path {other!r} (sha256:" in message
+    assert message.endswith(
+        f"a different tokenizer; tokenize it again with `nanotron-recover preprocess --tokenizer {other}`, "
+        "or set validate_tokenizer: false on the dataset"
+    )
+    with pytest.raises(InputError, match=f"not tokenizer_name {other!r} \\(sha256:"):
+        build_microbatch_source(
+            NanosetDatasetsArgs(dataset_folder=str(local_dataset.corpus_dir), tokenizer_name=other), **kwargs
+        )
+    tokenization._fingerprint_of.cache_clear()
