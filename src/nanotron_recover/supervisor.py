@@ -21,7 +21,8 @@ node-memory snapshots (``data_parallel/forward/restore.py``) or, without them, f
 checkpoint. When the answering hosts cannot hold every replica (a node lost and no spare), the job
 is relaunched with the whole replicas that fit, down to ``recover.min_replicas``; the same ``B`` is
 shared by fewer replicas, as after an in-step repair. A relaunch happens only after the previous job committed a new step (a job that dies
-before that would die again), at most ``recover.max_restarts`` times.
+before that would die again) or lost one more host (a node lost while the job restarts), at most
+``recover.max_restarts`` times.
 
 ``python -m nanotron_recover.supervisor supervise --run-dir D [--relaunches N] -- CMD...`` runs
 the supervisor around any command; the Slurm job script uses it that way.
@@ -334,13 +335,14 @@ def run_relaunching(
     min_replicas: int = 1,
 ) -> int:
     """Forward recovery's supervisor: :func:`run_supervised`, and while the job ends without an
-    outcome record after committing a new step, relaunch it (at most ``relaunches`` times) on the
+    outcome record after committing a new step (or after one more host was lost), relaunch it (at most ``relaunches`` times) on the
     hosts that still answer (``hosts``, default: the Slurm allocation, if any), with as many whole
     replicas of ``replica_size`` ranks as they hold (at least ``min_replicas``); the exit status."""
     log = _log(prefix)
     hosts = HostPlan.from_slurm() if hosts is None else hosts
     clear_relaunch(run_dir)
     generation, before, launch_cmd = 0, last_committed_step(run_dir), cmd
+    lost_before: list[str] = []
     while True:
         # A job lost with a node leaves steps (srun) that SIGTERM cannot end: no long waits for them.
         result = run_supervised(
@@ -356,19 +358,22 @@ def run_relaunching(
         if result.outcome is not None or result.interrupted_by is not None:
             return report(result, run_dir, target_step=target_step, log=log)
         after = last_committed_step(run_dir)
-        if after <= before or generation >= relaunches:
-            why = (
-                f"no step committed since the {'launch' if generation == 0 else 'last relaunch'}"
-                if after <= before
-                else f"recover.max_restarts={relaunches} relaunches used"
-            )
-            log(f"not relaunching: {why}")
+        if generation >= relaunches:
+            log(f"not relaunching: recover.max_restarts={relaunches} relaunches used")
             return report(result, run_dir, target_step=target_step, log=log)
         ended_at = result.exited_at or time.time()
         probe_start = time.time()
         answering = hosts.answering() if hosts is not None else []
         probe_s = time.time() - probe_start
         lost = [h for h in hosts.hosts if h not in answering] if hosts is not None else []
+        # A job that dies before committing a new step would die again -- unless it died because
+        # one more host was lost (a node lost while the job restarts): that is a new fault.
+        newly_lost = [h for h in lost if h not in lost_before]
+        if after <= before and not newly_lost:
+            since = "launch" if generation == 0 else "last relaunch"
+            log(f"not relaunching: no step committed since the {since}, and no host lost since")
+            return report(result, run_dir, target_step=target_step, log=log)
+        lost_before = lost
         width = ""
         if lost:
             ranks = relaunch_ranks(cmd, answering, replica_size)

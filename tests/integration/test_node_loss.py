@@ -15,19 +15,15 @@ at the end, the relaunch incident, and no process of the job left on any node th
 
 from __future__ import annotations
 
-import json
-import re
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from nanotron_recover.logging import read_incidents, read_metrics
 from nanotron_recover.outcome import read_outcome
+from tests.helpers.cluster_job import ClusterJob
 from tests.helpers.curves import assert_replicas_identical, assert_same_curve
-from tests.helpers.emulated_cluster import EmulatedCluster, _is_zombie, cluster_fixture
+from tests.helpers.emulated_cluster import EmulatedCluster, cluster_fixture
 from tests.helpers.mpirun_utils import REPO, check, layout, run_cli
 
 pytestmark = [pytest.mark.mpi, pytest.mark.cluster]
@@ -39,7 +35,6 @@ STEPS = 30
 DP, G = 3, 4  # B = 12
 # The heartbeat as short as a busy 2-core machine allows (a frozen node is declared failed after it).
 HEARTBEAT = ["recover.heartbeat_period_s=1", "recover.heartbeat_timeout_s=5"]
-JOB_TIMEOUT_S = 420
 # A powered-off node is DOWN for Slurm after SlurmdTimeout (10 s); a thawed or powered-on one
 # registers again and returns to service by itself (ReturnToService=2).
 NODE_BACK_S = 120
@@ -67,86 +62,6 @@ def plain(tmp_path_factory) -> list[dict]:
     base = [s for s in sets() if not s.startswith(("parallelism.", "tokens.batch_accumulation", "recover."))]
     check(run_cli(args + [a for s in [*base, *layout(1, 1, 1, DP * G)] for a in ("--set", s)]))
     return read_metrics(run_dir)
-
-
-class ClusterJob:
-    """A training job submitted to the emulated cluster; its run folder is on the shared file system."""
-
-    def __init__(self, cluster: EmulatedCluster, work: Path, nodes: int, spares: int, extra=None):
-        self.cluster, self.run_dir = cluster, work / "run"
-        argv = [sys.executable, "-m", "nanotron_recover.cli", "slurm", "--config", CONFIG]
-        argv += ["--nodes", str(nodes), "--spare-nodes", str(spares), "--gpus-per-node", "0"]
-        argv += ["--time", "15", "--run-dir", str(self.run_dir), "--job-name", work.name, "--submit"]
-        argv += [a for s in sets(extra) for a in ("--set", s)]
-        env = dict(cluster.mpi_env, OMP_NUM_THREADS="1")
-        proc = subprocess.run(argv, env=env, cwd=work, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        self.id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
-
-    def log(self) -> str:
-        path = self.run_dir / f"slurm-{self.id}.out"
-        return path.read_text(errors="replace") if path.exists() else self.cluster.logs()
-
-    def committed(self) -> int:
-        try:
-            return read_metrics(self.run_dir)[-1]["step"]
-        except (OSError, ValueError, IndexError, KeyError):
-            return 0
-
-    def wait_for_step(self, step: int, timeout_s: float = 180) -> int:
-        deadline = time.monotonic() + timeout_s
-        while self.committed() < step:
-            state = self.cluster.job_state(self.id)
-            if time.monotonic() > deadline or state not in ("PENDING", "CONFIGURING", "RUNNING"):
-                self.cluster.run("scancel", self.id)
-                pytest.fail(
-                    f"job {self.id} ({state}): no step {step} after {timeout_s}s\n{self.log()[-4000:]}"
-                )
-            time.sleep(0.05)
-        return self.committed()
-
-    def ranks(self) -> list[dict]:
-        deadline = time.monotonic() + 120
-        while not (self.run_dir / "ranks.json").exists():
-            if time.monotonic() > deadline:
-                pytest.fail(f"job {self.id}: no rank table after 120 s\n{self.log()[-4000:]}")
-            time.sleep(0.05)
-        return json.loads((self.run_dir / "ranks.json").read_text())
-
-    def batch_host(self) -> str:
-        """The node that runs the job script, the supervisor and mpirun (see the SPOF note in
-        docs/architecture.md): the tests take other nodes away."""
-        return self.cluster.job_info(self.id)["BatchHost"]
-
-    def host_of(self, replica: int) -> str:
-        return next(r["host"] for r in self.ranks() if r["replica"] == replica)
-
-    def finish(self) -> str:
-        state = self.cluster.wait_job(self.id, JOB_TIMEOUT_S)
-        assert state == "COMPLETED", f"job {self.id} {state}\n{self.log()[-6000:]}"
-        assert f"job {self.id} finished" in self.log() and "exit status 0" in self.log(), self.log()[-3000:]
-        return self.log()
-
-    def leftovers(self, nodes: list[str]) -> dict[str, list[str]]:
-        """Processes of this job still on ``nodes``: its ranks (they name the run folder) and the
-        runtime's daemons and Slurm steps (anything but slurmd), after Slurm's own clean-up."""
-        found: dict[str, list[str]] = {}
-        deadline = time.monotonic() + 30
-        while True:
-            found = {}
-            for node in nodes:
-                slurmd = self.cluster._slurmd[node].pid
-                for pid in self.cluster.pids(node):
-                    if pid == slurmd or _is_zombie(pid):
-                        continue
-                    try:
-                        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                    except OSError:
-                        continue
-                    found.setdefault(node, []).append(f"{pid} {cmdline[:120]}")
-            if not found or time.monotonic() > deadline:
-                return found
-            time.sleep(0.5)
 
 
 def assert_trained_like_plain(job: ClusterJob, plain: list[dict], replicas: list[int]) -> None:
@@ -179,16 +94,18 @@ def cluster(emulated):
     emulated.wait_nodes_idle(timeout_s=NODE_BACK_S)
 
 
-def relaunch_incident(job: ClusterJob) -> dict:
-    (incident,) = [i for i in read_incidents(job.run_dir) if i["kind"] == "node_lost"]
-    return incident
+def relaunch_incident(job: ClusterJob, generation: int = 1) -> dict:
+    """The incident of the last relaunch, which must be the ``generation``-th."""
+    relaunches = [i for i in read_incidents(job.run_dir) if i["kind"] == "node_lost"]
+    assert relaunches and relaunches[-1]["generation"] == generation, relaunches
+    return relaunches[-1]
 
 
 def test_power_loss_with_a_spare_node_relaunches_at_full_width(cluster, tmp_path, plain):
     """Replica 1's node loses power mid-run: the job is relaunched on the two nodes left and the
     spare, the spare's rank receives its state from a peer's snapshot, and all three replicas run
     to the end."""
-    job = ClusterJob(cluster, tmp_path, nodes=3, spares=1)
+    job = ClusterJob(cluster, tmp_path, CONFIG, sets(), nodes=3, spares=1)
     victim = job.host_of(1)
     spare = next(n for n in cluster.names if n not in {r["host"] for r in job.ranks()})
     assert victim != job.batch_host()
@@ -215,7 +132,7 @@ def test_power_loss_with_a_spare_node_relaunches_at_full_width(cluster, tmp_path
 def test_power_loss_without_a_spare_goes_on_narrower_with_the_same_batch(cluster, tmp_path, plain):
     """No spare: the job is relaunched with the two replicas the answering nodes hold; they share
     the same B = 12 micro-batches, so the curve is the fault-free one."""
-    job = ClusterJob(cluster, tmp_path, nodes=3, spares=0)
+    job = ClusterJob(cluster, tmp_path, CONFIG, sets(), nodes=3, spares=0)
     victim = job.host_of(2)
     job.wait_for_step(4)
     cluster.power_off(victim)
@@ -232,7 +149,7 @@ def test_power_loss_without_a_spare_goes_on_narrower_with_the_same_batch(cluster
 def test_two_nodes_lost_at_once(cluster, tmp_path, plain):
     """Two of the three training nodes lose power together: the one left and the spare run two
     replicas; the spare's state comes over MPI from the node that kept its snapshot."""
-    job = ClusterJob(cluster, tmp_path, nodes=3, spares=1)
+    job = ClusterJob(cluster, tmp_path, CONFIG, sets(), nodes=3, spares=1)
     victims = [job.host_of(1), job.host_of(2)]
     assert job.batch_host() not in victims
     job.wait_for_step(3)
@@ -252,7 +169,7 @@ def test_frozen_node(cluster, tmp_path, plain):
     failed and the step is repaired forward; if Open MPI's runtime later gives up on the node's
     daemon, the job is relaunched without it. Either way the run completes with the plain curve
     and, once the node is thawed, nothing of the job is left on it."""
-    job = ClusterJob(cluster, tmp_path, nodes=3, spares=0)
+    job = ClusterJob(cluster, tmp_path, CONFIG, sets(), nodes=3, spares=0)
     victim = job.host_of(1)
     job.wait_for_step(3)
     cluster.freeze(victim)
@@ -269,3 +186,57 @@ def test_frozen_node(cluster, tmp_path, plain):
     assert "nanotron-recover job:" in log or not relaunched
     assert job.leftovers(cluster.names) == {}
     print(f"frozen {victim}: incidents {[(i['kind'], i['step']) for i in incidents]}")
+
+
+def test_cut_link(cluster, tmp_path, plain):
+    """Replica 1's node loses its network but keeps running. Open MPI's runtime cannot reach that
+    node's daemon (nor, through it, the next one's), ends the ranks it can reach and exits; the
+    cut-off rank cannot be reached, so it declares the others failed after the heartbeat timeout
+    and trains on alone, summing the same B micro-batches. The supervisor relaunches the job on the
+    nodes that answer, and from then on the cut-off rank finds a newer generation and publishes
+    nothing; if it finished the run before that relaunch, its records are the run's. Either way
+    the run's records are the plain run's, and once the link is back nothing of the job is left."""
+    job = ClusterJob(cluster, tmp_path, CONFIG, sets(), nodes=3, spares=0)
+    victim = job.host_of(1)
+    job.wait_for_step(3)
+    cluster.cut_link(victim)
+    try:
+        job.finish()
+    finally:
+        cluster.restore_link(victim)
+    incidents = read_incidents(job.run_dir)
+    assert any(i["kind"] in ("crash", "hang", "node_lost") for i in incidents), incidents
+    outcome = read_outcome(job.run_dir)
+    assert outcome["status"] == "completed" and outcome["last_step"] == STEPS, outcome
+    metrics = read_metrics(job.run_dir)
+    assert_same_curve(metrics, plain[:STEPS])
+    digests = {f.name: f.read_text() for f in (job.run_dir / "parameters").glob("replica*.sha256")}
+    assert len(digests) == metrics[-1]["replicas"] and len(set(digests.values())) == 1, digests
+    assert job.leftovers(cluster.names, timeout_s=90) == {}
+    print(f"cut {victim}: incidents {[(i['kind'], i['step'], i.get('failed_replicas')) for i in incidents]}")
+
+
+def test_node_lost_while_the_job_restarts(cluster, tmp_path, plain):
+    """Replica 1's node loses power; while the relaunched job starts on the nodes left and the
+    spare, the spare loses power too. The job is relaunched once more, on the two nodes left,
+    from the snapshots the first relaunch could not use yet."""
+    job = ClusterJob(cluster, tmp_path, CONFIG, sets(), nodes=3, spares=1)
+    first = job.host_of(1)
+    spare = next(n for n in cluster.names if n not in {r["host"] for r in job.ranks()})
+    job.wait_for_step(3)
+    cluster.power_off(first)
+    generation = job.run_dir / "generation.json"
+    deadline = time.monotonic() + 120
+    while not generation.exists():
+        assert time.monotonic() < deadline, job.log()[-4000:]
+        time.sleep(0.02)
+    # The relaunch is starting: mpirun launches its daemons, ranks import torch.
+    cluster.power_off(spare)
+    log = job.finish()
+
+    assert "relaunching it (generation 2, 2 replica(s)" in log, log[-4000:]
+    assert_trained_like_plain(job, plain, [0, 1])
+    incident = relaunch_incident(job, generation=2)
+    assert sorted(incident["hosts_lost"]) == sorted([first, spare]) and incident["state_from"] == "snapshot"
+    up = [n for n in cluster.names if n not in (first, spare)]
+    assert job.leftovers(up) == {}

@@ -20,8 +20,10 @@ from pathlib import Path
 import pytest
 
 from nanotron_recover.generation import read_relaunch
+from nanotron_recover.hosts import HostPlan
 from nanotron_recover.logging import read_incidents, read_metrics
 from nanotron_recover.outcome import read_outcome
+from nanotron_recover.supervisor import run_relaunching
 from tests.helpers.curves import assert_replicas_identical, assert_same_curve
 from tests.helpers.mpirun_utils import (
     REPO,
@@ -87,11 +89,45 @@ def test_no_relaunch_without_progress_or_past_the_limit(tmp_path, case):
     launches, why = (
         (2, "recover.max_restarts=1 relaunches used")
         if case == "no_relaunch_left"
-        else (1, "no step committed since the launch")
+        else (1, "no step committed since the launch, and no host lost since")
     )
     assert (tmp_path / "launches").read_text() == str(launches)
     assert f"not relaunching: {why}" in result.stderr
     assert "no outcome record" in result.stderr
+
+
+class ScriptedHosts(HostPlan):
+    """The allocation's hosts, answering as the test scripts it: one list per probe."""
+
+    def __init__(self, hosts: list[str], answers: list[list[str]]):
+        super().__init__(hosts)
+        self.answers = answers
+
+    def answering(self) -> list[str]:
+        return self.answers.pop(0)
+
+
+def test_a_host_lost_during_the_restart_is_a_new_fault_and_relaunches_again(tmp_path, capfd):
+    """The relaunched job dies before committing a step, because one more host was lost while it
+    started: relaunched once more, on the hosts left. Without a new lost host the same death stops
+    the relaunches (the case above)."""
+    body = (
+        "if n == 1:\n    commit(1); commit(2)\n"  # the first node lost after step 2
+        "elif n == 2:\n    pass\n"  # the second node lost while the relaunch starts: no commit
+        "else:\n    commit(3)\n"
+        "    write_outcome(run_dir, status='completed', last_step=3, target_step=3, exit_code=0)\n"
+    )
+    hosts = ScriptedHosts(["a", "b", "c", "d"], [["a", "c", "d"], ["a", "d"]])
+    code = run_relaunching(
+        fake_job(tmp_path, body), tmp_path / "run", grace_s=1, relaunches=3, hosts=hosts, timeout_s=120
+    )
+    err = capfd.readouterr().err
+    assert code == 0, err
+    assert (tmp_path / "launches").read_text() == "3"
+    relaunch = read_relaunch(tmp_path / "run")
+    assert relaunch.generation == 2 and relaunch.hosts_lost == ["b", "c"] and relaunch.hosts == ["a", "d"]
+    assert relaunch.cause == "node_lost" and relaunch.last_committed == 2
+    assert "after step 2 (hosts b, c lost): relaunching it (generation 2" in err
 
 
 # -- real jobs, every rank killed from outside ------------------------------------------------------
