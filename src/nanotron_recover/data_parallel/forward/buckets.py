@@ -112,10 +112,11 @@ class BucketedReduction:
         self.streams = streams
         self._pending: RestoreHandle | None = None
 
-    def reduce(self, comm: Any, epoch: int, before_bucket: Callable[[int], None] | None = None) -> None:
-        """Reduce every bucket not yet reduced in ``epoch``; raises whatever ``comm`` raises on a
-        failure (the torn state is then repaired by :meth:`restore`)."""
+    def reduce(self, comm: Any, epoch: int, before_bucket: Callable[[int], None] | None = None) -> int:
+        """Reduce every bucket not yet reduced in ``epoch``; returns the bytes reduced. Raises
+        whatever ``comm`` raises on a failure (the torn state is then repaired by :meth:`restore`)."""
         self.wait_restored()  # the snapshots below must see the restored buffer
+        nbytes = 0
         for i, b in enumerate(self.buckets):
             if b.epoch == epoch:
                 continue
@@ -129,6 +130,8 @@ class BucketedReduction:
             if host is not b.view:
                 b.view.copy_(host)
             b.epoch = epoch
+            nbytes += b.view.numel() * b.view.element_size()
+        return nbytes
 
     def stale(self, epoch: int) -> list[int]:
         return [i for i, b in enumerate(self.buckets) if b.snapshot is not None and b.epoch != epoch]
