@@ -12,6 +12,9 @@ repetition after the other:
   time spent inside ``allreduce_`` is reported beside it (the rest is the bucket code's own cost:
   snapshots, copies); the commit agree that follows in a step is timed apart and not included;
 - ``bare MPI``: one ``MPI.COMM_WORLD.Allreduce`` (in place, SUM) of the same gradient buffer;
+- ``bare MPI, buckets``: the same ``Allreduce`` calls as ours makes (one per bucket, the
+  bookkeeping vector's included), in place, without the bucket code: what ours costs beyond MPI
+  itself, with Open MPI choosing its algorithm for the same message sizes;
 - ``gloo``: one ``torch.distributed.all_reduce`` of the same buffer in a gloo world of the same
   ranks (what the plain mode does on CPU).
 
@@ -115,12 +118,18 @@ def worker(args: argparse.Namespace) -> None:
         world.Allreduce(MPI.IN_PLACE, grads.numpy(), op=MPI.SUM)
         return {"s": time.perf_counter() - t0}
 
+    def bare_buckets() -> dict[str, float]:
+        t0 = time.perf_counter()
+        for b in reduction.buckets:
+            world.Allreduce(MPI.IN_PLACE, b.view.numpy(), op=MPI.SUM)
+        return {"s": time.perf_counter() - t0}
+
     def gloo() -> dict[str, float]:
         t0 = time.perf_counter()
         dist.all_reduce(grads)
         return {"s": time.perf_counter() - t0}
 
-    variants = {"ours": ours, "bare_mpi": bare, "gloo": gloo}
+    variants = {"ours": ours, "bare_mpi": bare, "bare_mpi_buckets": bare_buckets, "gloo": gloo}
     times: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     for rep in range(args.reps + 1):
         for name, run in variants.items():
@@ -162,7 +171,7 @@ def run_size(n: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     if not raw["sums_agree"]:
         raise SystemExit(f"{n} parameters: the reduced gradients differ from the expected sum")
     nbytes = 4 * n
-    ours, bare, gloo = raw["ours"], raw["bare_mpi"], raw["gloo"]
+    ours, bare, bucketed, gloo = raw["ours"], raw["bare_mpi"], raw["bare_mpi_buckets"], raw["gloo"]
     return {
         "params": n,
         "dp": args.dp,
@@ -173,11 +182,13 @@ def run_size(n: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "ours_other_s": ours["s"] - ours["allreduce_s"],
         "agree_s": ours["agree_s"],
         "bare_mpi_s": bare["s"],
+        "bare_mpi_buckets_s": bucketed["s"],
         "gloo_s": gloo["s"],
         "ratio": ours["s"] / bare["s"],
+        "ratio_buckets": ours["s"] / bucketed["s"],
         "ours_gbps": nbytes / ours["s"] / 1e9,
         "bare_mpi_gbps": nbytes / bare["s"] / 1e9,
-        "reps_s": {k: raw[k]["reps_s"] for k in ("ours", "bare_mpi", "gloo")},
+        "reps_s": {k: raw[k]["reps_s"] for k in ("ours", "bare_mpi", "bare_mpi_buckets", "gloo")},
     }
 
 
@@ -190,11 +201,13 @@ def report(results: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
         f"buckets; seconds per step's reduction, median of {results['reps']} repetitions (the slowest "
         "rank of each). ours: the bucketed, snapshotted reduction over the fault-tolerant communicator "
         "(`inside allreduce`: the part spent in MPI; the rest is the bucket code's own); bare MPI: one "
-        "in-place `Allreduce` of the buffer; gloo: `torch.distributed.all_reduce`.",
+        "in-place `Allreduce` of the buffer; bare MPI, buckets: the same in-place `Allreduce` calls as "
+        "ours, one per bucket, without the bucket code; gloo: `torch.distributed.all_reduce`.",
         "",
     ]
     old = {r["params"]: r for r in (before or {}).get("runs", [])}
-    columns = ["parameters", "MB", "ours s", "inside allreduce s", "bare MPI s", "gloo s", "ours / bare"]
+    columns = ["parameters", "MB", "ours s", "inside allreduce s", "bare MPI s", "bare MPI, buckets s"]
+    columns += ["gloo s", "ours / bare", "ours / bare, buckets"]
     if old:
         columns += ["ours s before", "ours / bare before"]
     rows = []
@@ -205,8 +218,10 @@ def report(results: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
             f"{r['ours_s']:.3f}",
             f"{r['ours_allreduce_s']:.3f}",
             f"{r['bare_mpi_s']:.3f}",
+            f"{r['bare_mpi_buckets_s']:.3f}",
             f"{r['gloo_s']:.3f}",
             f"{r['ratio']:.2f}",
+            f"{r['ratio_buckets']:.2f}",
         ]
         if old:
             b = old.get(r["params"])

@@ -14,8 +14,8 @@ contribution, the caller may add to it (extra micro-batches, a promoted spare's 
 Where ``S(b)`` lives. A bucket in host memory keeps its snapshot in a buffer of its own, allocated
 at its first reduction and reused by every later one (:attr:`Bucket.store`): taking ``S(b)`` is then
 one copy into memory already mapped, where a fresh clone per reduction also paid for new pages
-(``benchmarks/reduction.py``, 50M parameters on 4 ranks of 2 cores: 0.15 s a step for the clones,
-0.05 s for the copies). The reduction
+(``benchmarks/reduction.py``, 50M parameters on 4 ranks of 2 cores: 0.16 s a step for the clones,
+0.03-0.04 s for the copies). The reduction
 itself stays in place: an out-of-place ``Allreduce`` into a separate result buffer, which would
 leave the contribution as its own snapshot, measured slower here, since Open MPI first copies the
 send buffer into the result and the result must still be copied back into the gradient buffer.
