@@ -54,10 +54,11 @@ def test_buckets_cover_the_buffer_in_order():
 
 def test_reduce_without_failure_sums_and_tags():
     local, red, comm = make()
-    red.reduce(comm, 0)
+    assert red.reduce(comm, 0) == 10 * 4, "the bytes reduced"
     assert torch.equal(local, torch.arange(10.0) + 1100.0)
     assert all(b.epoch == 0 for b in red.buckets)
     assert red.stale(0) == []
+    assert red.reduce(comm, 0) == 0, "nothing left to reduce in this epoch"
 
 
 def test_torn_reduction_is_restored_and_redone_in_the_new_epoch():
