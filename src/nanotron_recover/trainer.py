@@ -52,6 +52,7 @@ from .logging.wandb_logger import RunLogger, run_name_for_config
 from .optim import lr_at
 from .outcome import write_outcome
 from .parallel.world import deterministic_kernels
+from .timing import PhaseTimes
 
 HISTORY_STEPS = 64  # recent step records every rank keeps, for a logger that takes over
 
@@ -124,6 +125,7 @@ class DistributedTrainer:
         self.run_logger = RunLogger()
         self.progress = Progress(0, enabled=False)
         self._pending_save: PendingSave | None = None
+        self.times = PhaseTimes()  # where each step's time goes, in its metrics record
         self._attach()
 
     def _adopt(self, joined: JoinedState) -> int:
@@ -155,6 +157,7 @@ class DistributedTrainer:
                 B=self.B,
                 G=self.G,
                 target_step=lambda: self.target_step,
+                times=self.times,
             )
         )
 
@@ -254,13 +257,15 @@ class DistributedTrainer:
         t0 = time.perf_counter()
         reduced = self.dp_mode.reduced_gradients(step)
         self.dp_mode.fault_point(Phase.OPTIMIZER)
-        with self.dp_mode.local_phase(Phase.OPTIMIZER):
+        with self.dp_mode.local_phase(Phase.OPTIMIZER), self.times.phase("optimizer"):
             # 0-based rate index, counted from the schedule's origin (0 unless restarted on resume).
             k = step - 1 - self.cfg.lr_schedule_origin
             lr = lr_at(k, self.cfg.optimizer.learning_rate_scheduler, self.cfg.tokens.train_steps)
             grad_norm = self.engine.optimizer_step(lr)
         dt = time.perf_counter() - t0
-        return StepResult(step, reduced.loss, lr, grad_norm, reduced.ids, dt, reduced.replicas, reduced.extra)
+        extra = {**reduced.extra, **self.times.record()}
+        self.times.start()  # what runs between this step and the next counts in the next record
+        return StepResult(step, reduced.loss, lr, grad_norm, reduced.ids, dt, reduced.replicas, extra)
 
     # -- the loop ------------------------------------------------------------------------------
     def train(self, stop_after_step: int | None = None) -> list[StepResult]:
@@ -286,6 +291,7 @@ class DistributedTrainer:
         try:
             if profiler is not None:
                 profiler.start()
+            self.times.start()
             step = self.start_step + 1
             while step <= last:
                 try:
@@ -296,7 +302,8 @@ class DistributedTrainer:
                     self._log(r)
                     due = ck.checkpoint_interval and step % ck.checkpoint_interval == 0
                     if due or (step == last and final_save):
-                        self._save_or_stop(step)
+                        with self.times.phase("checkpoint"):
+                            self._save_or_stop(step)
                     self._poll_save()
                     self.dp_mode.after_step(step)
                 except Parked as parked:
@@ -307,6 +314,7 @@ class DistributedTrainer:
                     try:
                         step = self._adopt(parked.wait_for_rejoin()) + 1
                         self._attach()
+                        self.times.start()  # the wait while parked is no step's time
                     except Exception as error:
                         self.dp_mode.abort(error)
                         raise

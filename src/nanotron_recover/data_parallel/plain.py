@@ -64,11 +64,14 @@ class PlainDataParallel:
         if self.injector is not None:
             self.injector.begin_step(step, list(range(ctx.dp)))
         source = t.data(step)
-        losses = t.engine.train_batch([source.get(i) for i in ids], loss_scale=1.0 / t.B)
+        with t.times.phase("compute"):
+            losses = t.engine.train_batch([source.get(i) for i in ids], loss_scale=1.0 / t.B)
         if self.injector is not None:
             self.injector.maybe_fail(Phase.REDUCE, 0)
         if ctx.dp > 1:
-            dist.all_reduce(t.engine.grads_flat, group=ctx.dp_group)
+            grads, since = t.engine.grads_flat, t.times.now()
+            dist.all_reduce(grads, group=ctx.dp_group)
+            t.times.add("reduce", since, grads.numel() * grads.element_size())
         # The loss lives on the last stage (its tp ranks hold the same value: count tp rank 0). Each
         # micro-batch's loss goes to its own slot, one rank contributes to each, and the slots are
         # summed in id order: the step's loss does not depend on the reduction's order, and is

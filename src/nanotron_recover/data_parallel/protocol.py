@@ -34,6 +34,7 @@ from ..engines import ModelEngine
 from ..errors import StopRun
 from ..parallel.context import ParallelContext
 from ..parallel.world import World
+from ..timing import PhaseTimes
 
 
 @dataclass
@@ -81,6 +82,7 @@ class ReplicaParts:
     B: int  # micro-batches per step
     G: int  # micro-batches per replica per step, at full width
     target_step: Callable[[], int]  # the last step this run trains (re-joins stop before it)
+    times: PhaseTimes = field(default_factory=PhaseTimes)  # where the step's time goes (timing.py)
 
 
 class DataParallelMode(Protocol):

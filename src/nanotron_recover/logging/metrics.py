@@ -1,7 +1,7 @@
 """Per-step metrics as JSON lines: ``<run_dir>/metrics.jsonl``, one object per optimizer step.
 
-Keys: step, loss, lr, grad_norm, tokens, step_time_s, tokens_per_s, replicas, ids_digest (+ any
-extra the trainer adds). ``ids_digest`` is the sha256 of the sorted micro-batch ids the step
+Keys: step, loss, lr, grad_norm, tokens, step_time_s, tokens_per_s, replicas, ids_digest, the
+phase times of ``timing.PhaseTimes.record`` (compute_s ... wall_s) (+ any extra the mode adds). ``ids_digest`` is the sha256 of the sorted micro-batch ids the step
 consumed, comma-joined: two runs agree on it exactly when they consumed the same ids.
 """
 

@@ -202,14 +202,16 @@ class ForwardRecovery:
             state_from = self.state_from or ("checkpoint" if step > 1 else "start")
             self.incidents.relaunched(step, self.relaunch, state_from, self.restored_at)
             self.relaunch = None
-        self._snapshot(step)
+        with s.parts.times.phase("checkpoint"):
+            self._snapshot(step)
         if s.rejoin_on:
             self.rejoin.join_point(step)
 
     @contextlib.contextmanager
     def local_phase(self, name: str) -> Iterator[None]:
         if name == Phase.OPTIMIZER and self.snapshots is not None:
-            self.snapshots.wait_exported()  # the snapshot's copy first: the step changes the state
+            with self.s.parts.times.phase("checkpoint"):
+                self.snapshots.wait_exported()  # the snapshot's copy first: the step changes the state
         try:
             with self.steps.local_phase(name):
                 yield

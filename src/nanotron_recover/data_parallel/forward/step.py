@@ -122,28 +122,35 @@ class StepTransaction:
         self.reduction.reset()
         s.last_failure_view = (0.0, 0.0)
         mine = state.plan.assignments[s.ftc.replica]
-        self._compute(step, mine.ids, state)
-        if not mine.contributes:
-            state.shadow = s.parts.engine.grads_flat.clone()  # a Spare's gradients count only if promoted
-            s.parts.engine.grads_flat.zero_()
+        times = s.parts.times
+        with times.phase("compute"):
+            self._compute(step, mine.ids, state)
+            if not mine.contributes:
+                state.shadow = s.parts.engine.grads_flat.clone()  # a Spare's gradients count only if promoted
+                s.parts.engine.grads_flat.zero_()
         while True:
-            self._gate()
+            with times.phase("gate"):
+                self._gate()
             self._fill_bookkeeping(state, first_id=(step - 1) * s.B)
+            mark = times.now()
             try:
                 # No deadline: the only waits here are on other replicas (see module docstring).
                 s.phase = Phase.REDUCE
-                self.reduction.reduce(
+                nbytes = self.reduction.reduce(
                     s.ftc, s.ftc.epoch, before_bucket=lambda b: s.injector.maybe_fail(Phase.REDUCE, b)
                 )
+                mark = times.add("reduce", mark, nbytes)
                 s.phase = Phase.AGREE
                 s.injector.maybe_fail(Phase.AGREE, 0)
                 _, stop = s.ftc.agree(True, stop=self.stops.bits())
+                times.add("agree", mark)
                 break
             except WorldChanged as changed:
                 self.rejoin.note_failure(step, changed.result)
                 if changed.result.parked:
                     raise Parked(f"replica {s.ftc.replica} failed in step {step}") from None
                 self._repair(step, state, changed)
+                times.add("recovery", mark)  # the failed collective, the repair, the redone ids
             except AllReplicasFailed as gone:
                 raise Stops.no_replica_left(step - 1, gone) from None
         committed = time.perf_counter()

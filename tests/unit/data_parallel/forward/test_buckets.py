@@ -54,10 +54,11 @@ def test_buckets_cover_the_buffer_in_order():
 
 def test_reduce_without_failure_sums_and_tags():
     local, red, comm = make()
-    red.reduce(comm, 0)
+    assert red.reduce(comm, 0) == 10 * 4, "the bytes reduced"
     assert torch.equal(local, torch.arange(10.0) + 1100.0)
     assert all(b.epoch == 0 for b in red.buckets)
     assert red.stale(0) == []
+    assert red.reduce(comm, 0) == 0, "nothing left to reduce in this epoch"
 
 
 def test_torn_reduction_is_restored_and_redone_in_the_new_epoch():
@@ -285,3 +286,29 @@ def test_nothing_stale_gives_a_done_handle():
     red.reduce(comm, 0)
     handle = red.restore(0, asynchronous=True)
     assert handle.buckets == () and handle.done and streams.pending == []
+
+
+# -- where snapshots live ----------------------------------------------------------------------------
+def test_host_snapshots_reuse_their_memory_and_hold_the_latest_contribution():
+    local, red, comm = make()
+    red.reduce(comm, 0)
+    first = [b.snapshot.data_ptr() for b in red.buckets]
+    assert all(p != b.view.data_ptr() for p, b in zip(first, red.buckets, strict=True)), (
+        "a copy, not the buffer"
+    )
+    red.reset()
+    local.copy_(torch.arange(10.0) * 2.0)  # the next step's contribution
+    comm.fail_at = comm.calls + 2
+    with pytest.raises(WorldChangedStub):
+        red.reduce(comm, 0)
+    assert [red.buckets[i].snapshot.data_ptr() for i in red.stale(1)] == first[:3], "no new memory"
+    red.restore(1)
+    assert torch.equal(local, torch.arange(10.0) * 2.0), "the snapshot of this step, not the last one"
+    red.reduce(comm, 1)
+    assert torch.equal(local, torch.arange(10.0) * 2.0 + 100.0)
+
+
+def test_device_buckets_take_a_fresh_clone():
+    bucket = buckets_module.Bucket(torch.zeros(4, device="meta"))
+    snapshot = bucket.take_snapshot()
+    assert snapshot.device.type == "meta" and bucket.store is None

@@ -4,12 +4,15 @@ gradient of every step is the full batch's, bit for bit, whatever fails and when
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from nanotron_recover.logging import read_incidents
 from nanotron_recover.policy import CoverageError
+from nanotron_recover.timing import PHASES, PhaseTimes
 from tests.helpers.fake_comm import OTHERS_BEGAN_S, OTHERS_SURFACED_S, Fault
-from tests.helpers.forward_replica import Replica, bucket_calls
+from tests.helpers.forward_replica import N, Replica, bucket_calls
 
 # -- no fault ---------------------------------------------------------------------------------------
 
@@ -159,3 +162,26 @@ def test_bookkeeping_that_does_not_count_each_id_once_raises(tmp_path, delta):
     job.comm.count_errors = {5: delta}  # another replica's bookkeeping is wrong about id 5
     with pytest.raises(CoverageError, match=r"step 1: ids \[5\] were not summed exactly once"):
         job.step(1)
+
+
+# -- where the step's time goes ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("faults", "reductions"),
+    [
+        ([], 1),
+        # Torn in the second bucket: the failed attempt is recovery; only the redo counts as reduced.
+        ([Fault(1, "allreduce", 1, (3,))], 1),
+        # Lost at the agree: the completed reduction counts, and the redo counts again.
+        ([Fault(1, "agree", 0, (3,))], 2),
+    ],
+)
+def test_the_step_times_its_phases(tmp_path, faults, reductions):
+    job = Replica(tmp_path, W=4, G=2, me=0, faults=faults)
+    times = job.fr.s.parts.times = PhaseTimes(clock=itertools.count().__next__)  # +1 s per reading
+    job.step(1)
+    record = times.record()
+    assert all(record[f"{p}_s"] > 0 for p in ("compute", "gate", "reduce", "agree"))
+    assert (record["recovery_s"] > 0) == bool(faults)
+    assert record["optimizer_s"] == record["checkpoint_s"] == 0  # the trainer's
+    assert record["reduce_bytes"] == reductions * (N * 4 + (2 * job.B + 2 * job.W) * 8)
+    assert sum(record[f"{p}_s"] for p in PHASES) <= record["wall_s"]
