@@ -57,9 +57,10 @@ class ModelEngine(Protocol):
     ) -> Path | PendingSave: ...
     def load(self, reader: CheckpointReader, load_optimizer: bool) -> None: ...
     def parameter_digest(self) -> str: ...
-    def export_state(self) -> EngineState:
+    def export_state(self, copy: bool = True) -> EngineState:
         """This rank's complete training state (weights, fp32 masters, AdamW moments and step counts,
-        RNG states) as CPU copies, for the rank at the same coordinate of a re-joining replica. Local
+        RNG states) as CPU copies, for the rank at the same coordinate of a re-joining replica; with
+        ``copy=False`` the live tensors instead (a node snapshot copies them itself, once). Local
         (not collective); call at a step boundary; the engine is not modified."""
 
     def import_state(self, state: EngineState) -> None:

@@ -116,6 +116,12 @@ def check_layout(got: Layout, want: Layout) -> None:
     raise ValueError("engine state does not fit this rank: " + "; ".join(problems[:5]) + more)
 
 
+def exported(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    """What an export holds of live tensor ``t``: a :func:`cpu_copy`, or with ``copy=False`` the
+    live tensor itself (detached), valid only until the state next changes."""
+    return cpu_copy(t) if copy else t.detach()
+
+
 def cpu_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU copy of ``t``: never a view of the live tensor, so the exported state stays
     what it was when the donor goes on training (and the donor's state is never touched by a send)."""
@@ -163,10 +169,11 @@ def optimizer_layout(opt: torch.optim.Optimizer, masters: dict[str, torch.Tensor
 
 
 def export_optimizer(
-    opt: torch.optim.Optimizer, masters: dict[str, torch.Tensor]
+    opt: torch.optim.Optimizer, masters: dict[str, torch.Tensor], copy: bool = True
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """``{"<key>/<name>": CPU copy}`` of every moment of every master, and the meta: per-name step
-    counts (None where AdamW has no state yet) and the param groups' hyper-parameters.
+    """``{"<key>/<name>": CPU copy}`` of every moment of every master (the live moment with
+    ``copy=False``, see :func:`exported`), and the meta: per-name step counts (None where AdamW has
+    no state yet) and the param groups' hyper-parameters.
 
     A master without state yet (before the first step) exports zero moments, so the layout is the same
     whatever the step; its step is None, and the receiver drops its own state for it, which AdamW then
@@ -177,7 +184,7 @@ def export_optimizer(
         for name, m in masters.items():
             st = opt.state.get(m, {})
             tensors[f"{key}/{name}"] = (
-                cpu_copy(st[key]) if key in st else torch.zeros(tuple(m.shape), dtype=m.dtype)
+                exported(st[key], copy) if key in st else torch.zeros(tuple(m.shape), dtype=m.dtype)
             )
     for name, m in masters.items():
         st = opt.state.get(m, {})

@@ -26,9 +26,9 @@ from .state import (
     EngineState,
     check_layout,
     check_optimizer_meta,
-    cpu_copy,
     dtype_name,
     export_optimizer,
+    exported,
     import_optimizer,
     optimizer_layout,
     rng_state,
@@ -150,14 +150,15 @@ class ThreeDEngine:
         return {"engine": "3d", "coordinate": self.digest_name, "dtype": self.cfg.model.dtype}
 
     @torch.no_grad()
-    def export_state(self) -> EngineState:
+    def export_state(self, copy: bool = True) -> EngineState:
         """This rank's weights (model dtype), fp32 masters (16-bit models only), AdamW moments, step
-        counts and hyper-parameters, and RNG states: CPU copies; the engine is not modified.
+        counts and hyper-parameters, and RNG states: CPU copies (with ``copy=False`` the live
+        tensors, valid until the next optimizer step); the engine is not modified.
 
         Call at a step boundary (after :meth:`optimizer_step`): the gradient buffer is not sent."""
-        tensors = {f"param/{n}": cpu_copy(p) for n, p in self.stage.named_parameters()}
-        tensors.update({f"master/{n}": cpu_copy(m) for n, m in self._separate_masters().items()})
-        opt_tensors, opt_meta = export_optimizer(self.optimizer.torch_opt, self.optimizer.master)
+        tensors = {f"param/{n}": exported(p, copy) for n, p in self.stage.named_parameters()}
+        tensors.update({f"master/{n}": exported(m, copy) for n, m in self._separate_masters().items()})
+        opt_tensors, opt_meta = export_optimizer(self.optimizer.torch_opt, self.optimizer.master, copy)
         tensors.update(opt_tensors)
         meta = {**self._state_meta(), "optimizer": opt_meta, "rng": rng_state(self.device)}
         return EngineState(tensors, meta)

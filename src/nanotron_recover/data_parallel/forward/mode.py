@@ -174,7 +174,7 @@ class ForwardRecovery:
             return
         if store.error is not None:
             print(f"[nanotron-recover] rank {s.ftc.rank}: node snapshot failed: {store.error}", flush=True)
-        store.write(step, export=s.parts.engine.export_state)
+        store.write(step, export=lambda: s.parts.engine.export_state(copy=False))
 
     def attach(self, parts: ReplicaParts) -> None:
         self.s.parts = parts

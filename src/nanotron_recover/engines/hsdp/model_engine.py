@@ -25,9 +25,9 @@ from ..state import (
     EngineState,
     check_layout,
     check_optimizer_meta,
-    cpu_copy,
     dtype_name,
     export_optimizer,
+    exported,
     import_optimizer,
     optimizer_layout,
     rng_state,
@@ -111,15 +111,16 @@ class HSDPModelEngine:
         }
 
     @torch.no_grad()
-    def export_state(self) -> EngineState:
+    def export_state(self, copy: bool = True) -> EngineState:
         """This rank's fp32 parameter shards (the masters), AdamW moment shards, step counts and
-        hyper-parameters, and RNG states: CPU copies of the local tensors (``DTensor.to_local()``);
-        nothing is gathered and the engine is not modified. Not collective.
+        hyper-parameters, and RNG states: CPU copies of the local tensors (``DTensor.to_local()``;
+        with ``copy=False`` the live tensors, valid until the next optimizer step); nothing is
+        gathered and the engine is not modified. Not collective.
 
         Call at a step boundary (after :meth:`optimizer_step`): the gradient shard is not sent."""
         masters = self.engine.masters
-        tensors = {f"param/{n}": cpu_copy(m) for n, m in masters.items()}
-        opt_tensors, opt_meta = export_optimizer(self.engine.torch_opt, masters)
+        tensors = {f"param/{n}": exported(m, copy) for n, m in masters.items()}
+        opt_tensors, opt_meta = export_optimizer(self.engine.torch_opt, masters, copy)
         tensors.update(opt_tensors)
         meta = {**self._state_meta(), "optimizer": opt_meta, "rng": rng_state(self.engine.device)}
         return EngineState(tensors, meta)

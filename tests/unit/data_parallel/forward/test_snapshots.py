@@ -113,8 +113,8 @@ def test_write_killed_from_outside_keeps_the_previous_snapshot(tmp_path):
         import time, torch
         from nanotron_recover.data_parallel.forward import snapshots
         from nanotron_recover.engines.state import EngineState
-        plain = snapshots._bytes_of
-        snapshots._bytes_of = lambda t: (time.sleep(0.05), plain(t))[1]
+        plain = snapshots._byte_view
+        snapshots._byte_view = lambda t: (time.sleep(0.05), plain(t))[1]
         big = EngineState({{f"param/{{k}}": torch.ones(250_000) for k in range(40)}}, {{}})
         print("writing", flush=True)
         snapshots.NodeSnapshots({str(tmp_path)!r}, "run-a", "tp1pp1", 0, 0).write(3, lambda: big, asynchronous=False)
@@ -144,3 +144,23 @@ def test_remove_run(tmp_path):
     snaps.write(1, lambda: state_of(1), asynchronous=False)
     snaps.remove_run()
     assert snaps.available() == [] and not (tmp_path / "run-a").exists()
+
+
+def test_live_tensors_are_copied_before_the_state_may_change_and_each_slot_file_is_kept(tmp_path):
+    """The snapshot may be handed the live tensors (``export_state(copy=False)``): once
+    ``wait_exported`` returns, changing them (the next optimizer step) no longer reaches the
+    snapshot."""
+    live = {"param/w": torch.arange(1000, dtype=torch.float32), "exp_avg/w": torch.ones(1000)}
+    snaps = store(tmp_path)
+    for step in (1, 2, 3):
+        snaps.write(step, lambda step=step: EngineState(live, {"step": step}))
+        snaps.wait_exported()
+        for t in live.values():
+            t.add_(100.0)
+        snaps.wait()
+        assert snaps.error is None
+    assert [p.step for p in snaps.available()] == [3, 2]
+    for step in (2, 3):
+        got = snaps.load(step)
+        assert torch.equal(got.tensors["param/w"], torch.arange(1000, dtype=torch.float32) + 100 * (step - 1))
+        assert torch.equal(got.tensors["exp_avg/w"], torch.ones(1000) + 100 * (step - 1))
