@@ -76,6 +76,32 @@ def clear_outcome(run_dir: str | Path) -> None:
         pass
 
 
+ABANDONED = "abandoned.json"
+
+
+def write_abandoned(run_dir: str | Path, reason: str) -> None:
+    """A rank gives the job up as a whole (a re-join stuck past its deadline): the supervisor ends
+    ``mpirun`` (which would wait for a frozen process forever) and relaunches the job."""
+    path = Path(run_dir) / ABANDONED
+    tmp = path.with_name(f"{ABANDONED}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"reason": reason, "time": time.time(), "pid": os.getpid()}) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass  # best effort: the rank is about to die either way
+
+
+def read_abandoned(run_dir: str | Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((Path(run_dir) / ABANDONED).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def clear_abandoned(run_dir: str | Path) -> None:
+    (Path(run_dir) / ABANDONED).unlink(missing_ok=True)
+
+
 def exit_code_of(outcome: dict[str, Any] | None) -> int:
     """The exit status a launcher reports for ``outcome``: 0 only for a completed run."""
     if outcome is None:

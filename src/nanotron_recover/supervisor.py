@@ -12,6 +12,10 @@ forever. Once the run has recorded that it completed and ``mpirun`` has still no
 grace period, the supervisor terminates ``mpirun``'s whole session (nothing else is touched) and
 says which processes it ended.
 
+A run may also give itself up (``<run_dir>/abandoned.json``, :func:`.outcome.write_abandoned`): a
+re-join stuck past ``recover.rejoin.join_timeout_s``. The supervisor then ends ``mpirun``'s
+session at once, and the job counts as lost without an outcome (relaunched, below).
+
 Relaunching (forward recovery, :func:`run_relaunching`). Open MPI's runtime ends the whole job when
 it loses a node's daemon (power, a cut link, a node rebooted): every healthy replica dies with it,
 and the job ends without an outcome record. So does a job whose every replica was lost. Then the
@@ -45,7 +49,14 @@ from .failures import Kind
 from .generation import Relaunch, clear_relaunch, write_relaunch
 from .hosts import HostPlan, relaunch_command, relaunch_ranks
 from .logging.metrics import read_metrics
-from .outcome import SUPERVISED_ENV, clear_outcome, exit_code_of, read_outcome
+from .outcome import (
+    SUPERVISED_ENV,
+    clear_abandoned,
+    clear_outcome,
+    exit_code_of,
+    read_abandoned,
+    read_outcome,
+)
 
 PREFIX = "nanotron-recover launch"
 POLL_S = 0.5  # how often the supervisor looks for the outcome record while mpirun runs
@@ -195,6 +206,7 @@ def run_supervised(
     log = log or _log(PREFIX)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     clear_outcome(run_dir)
+    clear_abandoned(run_dir)
     received: list[int] = []
     env = dict(os.environ if env is None else env)
     env[SUPERVISED_ENV] = "1"
@@ -217,6 +229,16 @@ def run_supervised(
             if timeout_s is not None and now - started > timeout_s:
                 end_session(proc, term_wait_s)
                 raise subprocess.TimeoutExpired(cmd, timeout_s)
+            abandoned = read_abandoned(run_dir)
+            if abandoned is not None and recorded_at is None:
+                # The job gave itself up (a re-join stuck past its deadline): mpirun would wait for
+                # the stuck process forever. Ended, it is a job lost without an outcome.
+                exited_at = time.time()
+                ended = end_session(proc, term_wait_s)
+                log(
+                    f"the job gave itself up ({abandoned.get('reason')}): ended {', '.join(ended) or 'mpirun'}"
+                )
+                break
             if recorded_at is None:
                 # Only a completed run: a stopped record may come from one rank while the others
                 # still save their checkpoint or go on without it.

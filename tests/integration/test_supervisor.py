@@ -130,6 +130,24 @@ def test_a_host_lost_during_the_restart_is_a_new_fault_and_relaunches_again(tmp_
     assert "after step 2 (hosts b, c lost): relaunching it (generation 2" in err
 
 
+def test_a_job_that_gives_itself_up_is_ended_and_relaunched(tmp_path):
+    """A rank writes ``abandoned.json`` (a re-join stuck past its deadline) while mpirun would wait
+    forever for a frozen process: the supervisor ends the job at once and relaunches it."""
+    body = (
+        "import time\nfrom nanotron_recover.outcome import write_abandoned\n"
+        "if n == 1:\n    commit(1)\n    write_abandoned(run_dir, 'watchdog: phase rejoin hung')\n"
+        "    time.sleep(600)\n"  # what a job waiting on a frozen process does
+        "else:\n    commit(2)\n"
+        "    write_outcome(run_dir, status='completed', last_step=2, target_step=2, exit_code=0)\n"
+    )
+    result = supervise(tmp_path, fake_job(tmp_path, body), relaunches=1)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "launches").read_text() == "2"
+    assert "the job gave itself up (watchdog: phase rejoin hung): ended" in result.stderr
+    assert "after step 1 (every replica lost): relaunching it (generation 1" in result.stderr
+    assert not (tmp_path / "run" / "abandoned.json").exists()  # cleared before the relaunch
+
+
 # -- real jobs, every rank killed from outside ------------------------------------------------------
 def sets_for(run_dir: Path, extra: list[str]) -> list[str]:
     return [

@@ -132,9 +132,15 @@ class RejoinArgs:
     # free slot mpirun knows of (on Slurm, the spare nodes of `nanotron-recover slurm --spare-nodes`).
     hosts: list[str] = field(default_factory=list)
     hostfile: str | None = None
+    # A re-join that has not committed this long after it began (a spawned process or a member
+    # frozen in a stage no failure detector watches) ends the job, which the supervisor relaunches
+    # from the node-memory snapshots.
+    join_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         where = "recover.rejoin"
+        if not self.join_timeout_s > 0:
+            raise ConfigError(f"{where}.join_timeout_s must be > 0, got {self.join_timeout_s}")
         if self.after_steps < 0:
             raise ConfigError(f"{where}.after_steps must be >= 0, got {self.after_steps}")
         if self.max_spawns < 1:

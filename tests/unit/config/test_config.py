@@ -777,6 +777,10 @@ def test_rejoin_mode_is_a_literal_choice():
             "recover.rejoin.hosts[0] 'node7 node8' is not a host",
         ),
         (
+            [RECOVER_ON, SPAWN, "recover.rejoin.join_timeout_s=0"],
+            "recover.rejoin.join_timeout_s must be > 0, got 0",
+        ),
+        (
             [SPAWN],
             "recover.rejoin.mode: spawn needs recover.enabled: true (re-join grows back a job that recovers "
             "forward); set recover.enabled: true or recover.rejoin.mode: off",

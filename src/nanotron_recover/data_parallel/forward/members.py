@@ -33,7 +33,11 @@ from ...ft.processes import ProcessInfo, reap
 from ...ft.records import write_record
 from ...ft.world import RecoveryResult
 from ...generation import read_generation
+from ...outcome import write_abandoned
 from .rank_state import RankState
+
+# The watchdog phase a re-join runs in, on members and spawned processes alike.
+REJOIN_PHASE = "rejoin"
 
 
 class Members:
@@ -78,6 +82,10 @@ class Members:
 
     def on_watchdog_expire(self, reason: str) -> None:
         self.record(Kind.HANG, message=reason)
+        if f"phase {REJOIN_PHASE!r}" in reason and self.current_generation():
+            # Every member is in the same join: the job as a whole is stuck (a spawned process
+            # frozen in a stage no detector watches). The supervisor ends and relaunches it.
+            write_abandoned(self.s.run_dir, reason)
 
     def on_failure_notice(self, ranks: list[int], when: float) -> None:
         """Watch thread: a member of my replica failed while I was outside MPI: my replica is lost."""

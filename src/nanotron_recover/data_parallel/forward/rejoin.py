@@ -35,7 +35,7 @@ from ...parallel.context import ParallelContext
 from ...policy.rejoin import RejoinBook, due_replicas
 from ..protocol import JoinedState, Parked
 from .incidents import Incidents
-from .members import Members
+from .members import REJOIN_PHASE, Members
 from .rank_state import RankState
 from .state_transfer import TransferResult, transfer_state
 from .stops import Stops
@@ -182,16 +182,20 @@ class Rejoin:
         s.phase = Phase.REJOIN
         if not s.ftc.parked:
             s.injector.maybe_fail(Phase.REJOIN, 0)
-        try:
-            pending = begin_join(s.ftc, plan, spawn_command(), self._spawn_info(), payload)
-        except JoinFailed as failed:
-            if replicas is not None:
-                self.book.attempted(list(replicas), step, joined=False, spawn_failed=failed.could_not_start)
-                self.incidents.rejoin(
-                    step, {"status": "failed", "replicas": list(replicas), "reason": str(failed)}
-                )
-            return None
-        return self._finish_join(pending)
+        # No failure detector watches a spawned process before its join commits: a deadline does.
+        with s.watchdog.phase(REJOIN_PHASE, s.args.rejoin.join_timeout_s):
+            try:
+                pending = begin_join(s.ftc, plan, spawn_command(), self._spawn_info(), payload)
+            except JoinFailed as failed:
+                if replicas is not None:
+                    self.book.attempted(
+                        list(replicas), step, joined=False, spawn_failed=failed.could_not_start
+                    )
+                    self.incidents.rejoin(
+                        step, {"status": "failed", "replicas": list(replicas), "reason": str(failed)}
+                    )
+                return None
+            return self._finish_join(pending)
 
     def _spawn_info(self) -> dict[str, str]:
         rejoin = self.s.args.rejoin
@@ -277,15 +281,17 @@ class Rejoin:
         s, p = self.s, self.s.cfg.parallelism
         s.joining = True
         start_heartbeat(s.run_dir, s.args.heartbeat_period_s)  # nobody else watches this process
-        s.ftc, pending = join_parent(p.inner, p.pp, p.dp, **callbacks)
-        payload = pending.payload
-        s.started = payload["started"]
-        s.step = s.last_step = payload["step"]
-        s.phase = Phase.REJOIN
-        s.my_replica_ranks = s.replica_ranks()
-        s.injector = FaultInjector(s.args, s.ftc.rank, s.ftc.replica, s.run_dir)
-        s.injector.begin_step(s.step, list(payload["donors"]))
-        joined = self._finish_join(pending)
+        # A parent frozen during the join would hold this process forever: it dies at the deadline.
+        with s.watchdog.phase(REJOIN_PHASE, s.args.rejoin.join_timeout_s):
+            s.ftc, pending = join_parent(p.inner, p.pp, p.dp, **callbacks)
+            payload = pending.payload
+            s.started = payload["started"]
+            s.step = s.last_step = payload["step"]
+            s.phase = Phase.REJOIN
+            s.my_replica_ranks = s.replica_ranks()
+            s.injector = FaultInjector(s.args, s.ftc.rank, s.ftc.replica, s.run_dir)
+            s.injector.begin_step(s.step, list(payload["donors"]))
+            joined = self._finish_join(pending)
         assert joined is not None  # an aborted join SIGKILLs a spawned process
         return joined
 

@@ -268,6 +268,64 @@ def test_spawned_process_killed_or_frozen_from_outside(tmp_path, tmp_path_factor
     assert_replicas_identical(tmp_path, [0, 1, 2, 3])
 
 
+def run_processes(run_dir: Path) -> set[int]:
+    """Live Python processes training in ``run_dir`` (their command line names it)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        program = cmdline.split(" ", 1)[0]
+        if (
+            Path(program).name.startswith("python")  # not mpirun, whose command line names the program
+            and "nanotron_recover.cli train" in cmdline
+            and str(run_dir) in cmdline
+            and process_exists(int(entry.name))
+        ):
+            found.add(int(entry.name))
+    return found
+
+
+@pytest.mark.mpi
+def test_spawned_process_frozen_before_its_join_commits(tmp_path, tmp_path_factory, local_dataset):
+    """The test SIGSTOPs the process a re-join spawns as soon as it exists, before its join can
+    commit: no failure detector watches it there (it is in no heartbeat ring yet), and the members
+    wait on it in a join stage. At ``recover.rejoin.join_timeout_s`` they give the job up; the
+    supervisor ends mpirun (the frozen process with it) and relaunches the job from node memory,
+    which completes at full width with the plain run's curve."""
+    steps = 9
+    corpus = local_dataset.corpus_dir
+    faults = [{"step": 2, "replica": 1, "phase": "forward"}]
+    sets = sets_for(tmp_path, corpus, steps) + layout(1, 1, 4, 2) + rejoin_sets(faults)
+    sets += ["recover.rejoin.join_timeout_s=15", f"recover.snapshot.dir={tmp_path / 'node_memory'}"]
+    sets += ["recover.heartbeat_period_s=1", "recover.heartbeat_timeout_s=5"]
+    job = BackgroundJob(tmp_path, ["launch", *train_args(tmp_path, sets)[1:]])
+    launched = {job.pid(rank) for rank in range(4)}
+    newcomers: list[int] = []
+
+    def spawned() -> bool:
+        newcomers[:] = sorted(run_processes(tmp_path) - launched)
+        return bool(newcomers)
+
+    job.wait_until(spawned, "a spawned process", timeout=240)
+    for pid in newcomers:
+        os.kill(pid, signal.SIGSTOP)
+    result = job.finish(timeout=400)
+    assert result.returncode == 0, result.output[-4000:]
+    assert "the job gave itself up" in result.output, result.output[-4000:]
+    assert "relaunching it (generation 1" in result.output, result.output[-4000:]
+    got = read_metrics(tmp_path)
+    assert_same_curve(got, plain_curve(tmp_path_factory, corpus, steps))
+    (relaunch,) = [i for i in read_incidents(tmp_path) if i["kind"] == "job_lost"]
+    assert relaunch["state_from"] == "snapshot" and relaunch["generation"] == 1
+    assert got[-1]["replicas"] == 4
+    assert_replicas_identical(tmp_path, [0, 1, 2, 3])
+    assert not any(process_exists(pid) for pid in newcomers)
+
+
 @pytest.mark.mpi
 def test_joiner_then_donor_killed_during_the_transfer(tmp_path, tmp_path_factory, local_dataset):
     """A spawned process dies while it receives its state, then the donor dies while it sends: each
