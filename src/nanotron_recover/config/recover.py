@@ -49,7 +49,9 @@ class FaultSpec:
     (forward/backward/recovery) or bucket (reduce) before which it fires; ``phase: save`` fires while
     the victim writes its checkpoint files; ``phase: rejoin`` fires in the re-join at the boundary
     after ``step``: ``microbatch: 0`` before the spawn (a member), ``1`` mid-transfer (the donor
-    after sending the layout, or the spawned process taking ``rank``'s place after receiving it).
+    after sending the layout, or the spawned process taking ``rank``'s place after receiving it),
+    ``2`` right after the spawn returned and ``3`` right after the merge (a member, the root
+    included: the stages where the spawned processes wait on the members).
 
     ``kind: error`` raises an exception in whichever replica computes the micro-batch ``id`` (a
     global micro-batch id) of ``step``; ``persistent: true`` raises it every time (a deterministic

@@ -187,9 +187,10 @@ class FaultTolerantComm:
         on_leave: called with the :class:`RecoveryResult` on a rank that must leave
             because its replica failed, just before it SIGKILLs itself
             (e.g. to log the incident). Exceptions from it are ignored.
-        fault_hook: test-only fault injection; called with a point name
+        fault_hook: fault injection; called with a point name
             (``"recover:enter"``, ``"recover:revoked"``, ``"recover:shrunk"``,
-            ``"recover:split"``, ``"recover:committed"``) during recovery.
+            ``"recover:split"``, ``"recover:committed"``) during recovery, and
+            (``"join:spawned"``, ``"join:merged"``) on a member during a re-join.
         on_failure_notice: if given, a :class:`~.watch.FailureWatch` thread calls it
             with ``(newly failed initial ranks, wall time)`` as soon as this process
             learns of a failure, even while it computes outside MPI.
@@ -544,7 +545,7 @@ class FaultTolerantComm:
             raise FTError("FaultTolerantComm is closed")
 
     def fault_point(self, point: str) -> None:
-        """Call the test-only ``fault_hook`` (if any) at a named point of a recovery."""
+        """Call the ``fault_hook`` (if any) at a named point of a recovery or a re-join."""
         if self._fault_hook is not None:
             self._fault_hook(point)
 

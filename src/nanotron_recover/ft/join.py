@@ -162,6 +162,7 @@ def begin_join(
             error = exc
         finally:
             mpi_info.Free()
+        ftc.fault_point("join:spawned")
         try:
             _stage_agree(glob, error is None, "during the spawn", error, could_not_start=True)
         except JoinFailed:
@@ -174,6 +175,7 @@ def begin_join(
             merged.Set_errhandler(MPI.ERRORS_RETURN)
         except MPI.Exception as exc:
             error = exc
+        ftc.fault_point("join:merged")
         try:
             _stage_agree(glob, error is None, "while merging", error)
         except JoinFailed:

@@ -55,6 +55,9 @@ from .stops import StopJob, Stops
 
 T = TypeVar("T")
 
+# The re-join stages of ft/join.py where an injected ``phase: rejoin`` fault may fire (its microbatch).
+JOIN_FAULT_POINTS = {"join:spawned": 2, "join:merged": 3}
+
 
 def _ends_here(method: Callable[..., T]) -> Callable[..., T]:
     """A stop raised by a part becomes the exit here; a parked rank gets its way back."""
@@ -98,6 +101,7 @@ class ForwardRecovery:
             "on_leave": self.members.on_leave,
             "on_failure_notice": self.members.on_failure_notice,
             "park_orphans": s.rejoin_on,
+            "fault_hook": self._comm_fault_point,
         }
         s.generation = read_generation(s.run_dir)
         if MPI.Comm.Get_parent() != MPI.COMM_NULL:
@@ -120,6 +124,13 @@ class ForwardRecovery:
             self.members.write_rank_table()
         self.members.watch_spawned_processes()
         return world, ctx, self._restore(world, ctx) if s.generation > 0 else None
+
+    def _comm_fault_point(self, point: str) -> None:
+        """Injected faults at the communicator's own points: a member dying inside the re-join's
+        spawn and merge stages (``phase: rejoin``, ``microbatch`` 2 and 3)."""
+        index = JOIN_FAULT_POINTS.get(point)
+        if index is not None and self.s.injector is not None:
+            self.s.injector.maybe_fail(Phase.REJOIN, index)
 
     # -- node-memory snapshots and relaunches ------------------------------------------------
     def _snapshot_store(self) -> NodeSnapshots | None:

@@ -327,6 +327,34 @@ def test_spawned_process_frozen_before_its_join_commits(tmp_path, tmp_path_facto
 
 
 @pytest.mark.mpi
+def test_members_killed_inside_the_spawn_and_the_merge(tmp_path, tmp_path_factory, local_dataset):
+    """The root member dies right after its spawn returned (the spawned process waits for it in its
+    merge), and at a later join a member dies right after the merge (the spawned process waits in
+    the header's broadcast): each join aborts on every member at that stage, its spawned process
+    dies with it, training goes on at its width, and later joins bring every replica back."""
+    steps = 10
+    corpus = local_dataset.corpus_dir
+    faults = [
+        {"step": 2, "replica": 1, "phase": "forward"},
+        {"step": 3, "rank": 0, "phase": "rejoin", "microbatch": 2},  # the root, after the spawn
+        {"step": 5, "rank": 3, "phase": "rejoin", "microbatch": 3},  # a member, after the merge
+    ]
+    sets = sets_for(tmp_path, corpus, steps) + layout(1, 1, 4, 2) + rejoin_sets(faults)
+    check(run_cli(train_args(tmp_path, sets), nproc=4, timeout=400))
+    got = read_metrics(tmp_path)
+    assert_same_curve(got, plain_curve(tmp_path_factory, corpus, steps))
+    failed = rejoins(tmp_path, "failed")
+    assert [f["step"] for f in failed] == [3, 5], failed
+    assert "a member failed during the spawn" in failed[0]["reason"], failed
+    assert "a member failed while merging" in failed[1]["reason"], failed
+    lost = {r for i in read_incidents(tmp_path) if i.get("kind") != "rejoin" for r in i["failed_replicas"]}
+    assert lost == {0, 1, 3}
+    assert {r for j in rejoins(tmp_path) for r in j["replicas"]} == {0, 1, 3}
+    assert got[-1]["replicas"] == 4
+    assert_replicas_identical(tmp_path, [0, 1, 2, 3])
+
+
+@pytest.mark.mpi
 def test_joiner_then_donor_killed_during_the_transfer(tmp_path, tmp_path_factory, local_dataset):
     """A spawned process dies while it receives its state, then the donor dies while it sends: each
     join aborts with an incident, training goes on at its width, and later joins bring every replica
