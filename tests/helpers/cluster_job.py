@@ -78,6 +78,21 @@ class ClusterJob:
         assert f"job {self.id} finished" in self.log() and "exit status 0" in self.log(), self.log()[-3000:]
         return self.log()
 
+    def processes_on(self, node: str) -> list[int]:
+        """This job's Python processes on ``node`` (their command line names the run folder)."""
+        found = []
+        for pid in self.cluster.pids(node):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if Path(argv[0].decode(errors="replace")).name.startswith("python") and str(
+                self.run_dir
+            ).encode() in b" ".join(argv):
+                if not _is_zombie(pid):
+                    found.append(pid)
+        return found
+
     def leftovers(self, nodes: list[str], timeout_s: float = 30) -> dict[str, list[str]]:
         """Processes of this job still on ``nodes``: its ranks (they name the run folder) and the
         runtime's daemons and Slurm steps (anything but slurmd), after Slurm's own clean-up."""

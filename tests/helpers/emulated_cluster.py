@@ -167,7 +167,7 @@ class EmulatedCluster(LocalSlurm):
         cpus_per_node: int = 2,
         memory_mb: int = 2000,
         max_oversubscribe: int = 8,
-        prefix: str = "node",
+        prefix: str | None = None,
         subnet: str | None = None,
         slurmd_timeout_s: int = 10,
     ) -> None:
@@ -176,9 +176,10 @@ class EmulatedCluster(LocalSlurm):
             raise ValueError(f"n_nodes must be in 1..200, not {n_nodes}")
         self.n_nodes = n_nodes
         self.cpus = cpus_per_node
-        self.prefix = prefix
         self.slurmd_timeout_s = slurmd_timeout_s
         self.tag = secrets.token_hex(2)
+        # Node names of their own (e.g. e3f2an1): two clusters up at once never share a hostname.
+        self.prefix = prefix or f"e{self.tag}n"
         self.requested_subnet = subnet
         self.subnet: ipaddress.IPv4Network | None = None
         self.bridge = f"nrbr{self.tag}"

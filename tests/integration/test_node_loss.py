@@ -240,3 +240,33 @@ def test_node_lost_while_the_job_restarts(cluster, tmp_path, plain):
     assert sorted(incident["hosts_lost"]) == sorted([first, spare]) and incident["state_from"] == "snapshot"
     up = [n for n in cluster.names if n not in (first, spare)]
     assert job.leftovers(up) == {}
+
+
+def test_spare_node_lost_during_a_rejoin(cluster, tmp_path, plain):
+    """Replica 1's rank is killed (an injected fault) and repaired forward; at the next boundary its
+    replacement is spawned onto the spare node, and the spare loses power as soon as that process
+    exists, before its join can commit. Open MPI's runtime ends the job; it is relaunched on the
+    three training nodes from node memory and completes at full width."""
+    extra = [
+        "recover.rejoin.mode=spawn",
+        "recover.faults=[{step: 4, replica: 1, phase: forward}]",
+        "recover.rejoin.join_timeout_s=120",
+    ]
+    job = ClusterJob(cluster, tmp_path, CONFIG, sets(extra), nodes=3, spares=1)
+    training = {r["host"] for r in job.ranks()}
+    spare = next(n for n in cluster.names if n not in training)
+    deadline = time.monotonic() + 180
+    while not job.processes_on(spare):
+        assert time.monotonic() < deadline, f"no process spawned on {spare}\n{job.log()[-4000:]}"
+        time.sleep(0.01)
+    spawned_at_step = job.committed()
+    cluster.power_off(spare)
+    log = job.finish()
+
+    assert f"(hosts {spare} lost): relaunching it (generation 1, 3 replica(s)" in log, log[-4000:]
+    assert_trained_like_plain(job, plain, [0, 1, 2])
+    kinds = [i["kind"] for i in read_incidents(job.run_dir)]
+    assert kinds[0] == "crash" and "node_lost" in kinds, kinds
+    assert not any(i["kind"] == "rejoin" and i["status"] == "joined" for i in read_incidents(job.run_dir)[:2])
+    assert job.leftovers([n for n in cluster.names if n != spare]) == {}
+    print(f"spare {spare} lost at step {spawned_at_step}; incidents {kinds}")
