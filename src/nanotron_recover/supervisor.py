@@ -277,8 +277,8 @@ def last_committed_step(run_dir: str | Path) -> int:
 
 
 LOST_WITHOUT_RECORD = (
-    "every replica lost: the job ended without an outcome record (its ranks killed from outside, "
-    "ended by the runtime after a lost node, or by mpirun after a rank was lost)"
+    "every replica lost: the job ended without an outcome record (no rank outlived the replicas to "
+    "write one: ranks killed or failed, a lost node, or mpirun ending the job after a rank was lost)"
 )
 
 
