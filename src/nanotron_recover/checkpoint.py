@@ -9,7 +9,10 @@ A checkpoint is a folder::
     latest                                      name of the newest complete step folder
 
 Only data-parallel rank 0 writes model and optimizer shards (replicas are identical); every rank
-writes its RNG file. Loading reassembles each full tensor from the saved shards
+writes its RNG file. Every tensor of the model and the optimizer goes through safetensors, which
+writes with the GIL released (``safetensors >= 0.8``: pinned in ``pyproject.toml``), so the rank's
+failure watch and heartbeat threads (``ft/watch.py``) keep running during a save of any size;
+``torch.save`` writes only the RNG states, a few kilobytes. Loading reassembles each full tensor from the saved shards
 (``ParamSpec.shard_dim``) and cuts this rank's shard for the current layout, so tp, pp and dp may
 all differ from the saved run. The data position and learning rate need no state of their own:
 both are pure functions of the step.

@@ -16,6 +16,8 @@ Kinds (:class:`Kind`), what a rank knows about why a replica was lost or the job
 - ``deterministic``: the same exception again on the same micro-batch ids in another replica.
 - ``input``, ``too_few_replicas``: stops that are not a replica failure (bad input, fewer than
   ``recover.min_replicas`` replicas left).
+- ``all_replicas_lost``: how a job ends when no replica is left to go on (every replica failed, or
+  every rank was gone without a record); never a failure record.
 - ``rejoin``: an incident of the re-join (joined, failed, given up), never a failure record.
 - ``node_lost``, ``job_lost``: the job was relaunched inside its allocation, after a host was lost
   (the runtime ends the whole job then) or after every replica was lost; never a failure record.
@@ -56,6 +58,7 @@ class Kind(_Name):
     DETERMINISTIC = "deterministic"
     INPUT = "input"
     TOO_FEW_REPLICAS = "too_few_replicas"
+    ALL_REPLICAS_LOST = "all_replicas_lost"  # no replica left to go on: the job is lost
     REJOIN = "rejoin"
     NODE_LOST = "node_lost"  # the job was relaunched after a host was lost
     JOB_LOST = "job_lost"  # the job was relaunched after every replica was lost, no host lost
@@ -101,7 +104,14 @@ UNREPAIRABLE_KINDS: tuple[Kind, ...] = (Kind.IO, Kind.DETERMINISTIC)
 RETRYABLE_KINDS: tuple[Kind, ...] = (Kind.ERROR, Kind.OOM)
 # Kinds a whole-job stop (``errors.StopRun``) can have, most specific cause first: when several
 # stops are agreed at once, the first of this order wins (both data-parallel modes).
-STOP_ORDER: tuple[Kind, ...] = (Kind.DETERMINISTIC, Kind.IO, Kind.INPUT, Kind.TOO_FEW_REPLICAS)
+# ``all_replicas_lost`` is never agreed (nobody is left to agree with): it is last.
+STOP_ORDER: tuple[Kind, ...] = (
+    Kind.DETERMINISTIC,
+    Kind.IO,
+    Kind.INPUT,
+    Kind.TOO_FEW_REPLICAS,
+    Kind.ALL_REPLICAS_LOST,
+)
 # The incident kind of one recovery, from the kinds of its records and unrecorded failures.
 INCIDENT_PRIORITY: tuple[Kind, ...] = (
     Kind.DETERMINISTIC,

@@ -6,8 +6,12 @@ The launcher (``launch``, the Slurm job) decides its exit status from this recor
 clears before it starts) means the run died without a word: a failure.
 
 Keys: ``status`` (``completed`` | ``stopped``), ``last_step`` (last committed step),
-``target_step`` (the step the run was asked to reach), ``kind`` (null, or a
-:data:`~.failures.STOP_ORDER` name), ``message`` (one line), ``exit_code``, ``time``.
+``target_step`` (the step the run was asked to reach; null when the writer does not know it),
+``kind`` (null, or a :data:`~.failures.STOP_ORDER` name), ``message`` (one line), ``exit_code``,
+``time``.
+
+A job that lost every replica is recorded too (kind ``all_replicas_lost``, exit 1): by the lowest
+rank still running, or, when no rank is left to write it, by the launcher (:mod:`.supervisor`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ExitCode
+from .failures import Kind
 
 FILENAME = "outcome.json"
 # Set by the launcher for the ranks it supervises: it prints the outcome's message itself, so the
@@ -31,7 +36,7 @@ def write_outcome(
     *,
     status: str,
     last_step: int,
-    target_step: int,
+    target_step: int | None,
     exit_code: int,
     kind: str | None = None,
     message: str | None = None,
@@ -100,6 +105,11 @@ def read_abandoned(run_dir: str | Path) -> dict[str, Any] | None:
 
 def clear_abandoned(run_dir: str | Path) -> None:
     (Path(run_dir) / ABANDONED).unlink(missing_ok=True)
+
+
+def is_lost_job(outcome: dict[str, Any] | None) -> bool:
+    """Whether ``outcome`` says the job was lost as a whole (no record at all says the same)."""
+    return outcome is None or outcome.get("kind") == Kind.ALL_REPLICAS_LOST
 
 
 def exit_code_of(outcome: dict[str, Any] | None) -> int:

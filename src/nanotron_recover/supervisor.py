@@ -4,7 +4,11 @@
 ``<run_dir>/outcome.json`` (:mod:`.outcome`) into the exit status. ``mpirun``'s own status says
 little under ULFM: ranks that leave by SIGKILL do not fail the job, so a job whose every replica
 died can end with status 0. So the exit status is the outcome's (0 only when every requested step
-was committed), and no record at all is a failure.
+was committed), and no record at all is a failure: the job lost every replica (the runtime ended
+them after a lost node, they were killed from outside, or a plain run's ``mpirun`` ended them after
+one rank was lost). The supervisor then writes the record no rank could write (:func:`report`): kind
+``all_replicas_lost``, the last committed step, exit 1 -- the same record a rank that outlives every
+replica writes itself.
 
 The supervisor also ends what the run leaves behind. A rank that froze (SIGSTOP, a hung device) is
 removed from the job by the survivors, but it still exists as a process and ``mpirun`` waits for it
@@ -18,7 +22,8 @@ session at once, and the job counts as lost without an outcome (relaunched, belo
 
 Relaunching (forward recovery, :func:`run_relaunching`). Open MPI's runtime ends the whole job when
 it loses a node's daemon (power, a cut link, a node rebooted): every healthy replica dies with it,
-and the job ends without an outcome record. So does a job whose every replica was lost. Then the
+and the job ends without an outcome record. So does a job whose every replica was lost (or its
+record says ``all_replicas_lost``: a rank outlived them). Then the
 supervisor relaunches the job inside the same allocation, on the hosts that still answer
 (:mod:`.hosts`), as generation ``n+1`` (:mod:`.generation`); the new job starts from the replicas'
 node-memory snapshots (``data_parallel/forward/restore.py``) or, without them, from the latest disk
@@ -45,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import ExitCode
 from .failures import Kind
 from .generation import Relaunch, clear_relaunch, write_relaunch
 from .hosts import HostPlan, relaunch_command, relaunch_ranks
@@ -54,8 +60,10 @@ from .outcome import (
     clear_abandoned,
     clear_outcome,
     exit_code_of,
+    is_lost_job,
     read_abandoned,
     read_outcome,
+    write_outcome,
 )
 
 PREFIX = "nanotron-recover launch"
@@ -292,6 +300,30 @@ def last_committed_step(run_dir: str | Path) -> int:
     return max((r["step"] for r in read_metrics(path)), default=0)
 
 
+LOST_WITHOUT_RECORD = (
+    "every replica lost: the job ended without an outcome record (no rank outlived the replicas to "
+    "write one: ranks killed or failed, a lost node, or mpirun ending the job after a rank was lost)"
+)
+
+
+def record_lost_job(run_dir: str | Path, target_step: int | None = None) -> dict[str, Any]:
+    """Write the record of a job that ended without one (not interrupted by the user): every
+    replica was lost. Kind ``all_replicas_lost``, the last committed step, exit 1; the record."""
+    last = last_committed_step(run_dir)
+    of = f" of {target_step}" if target_step is not None else ""
+    message = f"{LOST_WITHOUT_RECORD}; last committed step {last}{of}"
+    write_outcome(
+        run_dir,
+        status="stopped",
+        last_step=last,
+        target_step=target_step,
+        exit_code=ExitCode.FAILED,
+        kind=Kind.ALL_REPLICAS_LOST,
+        message=message,
+    )
+    return read_outcome(run_dir) or {"kind": str(Kind.ALL_REPLICAS_LOST), "message": message}
+
+
 def report(
     result: Supervised,
     run_dir: str | Path,
@@ -300,7 +332,8 @@ def report(
     log: Callable[[str], None] | None = None,
 ) -> int:
     """Say in one line why a run did not complete (or why a non-zero mpirun status is not a
-    failure); the exit status to report."""
+    failure); the exit status to report. A run that ended without a record, unless the user
+    interrupted it, lost every replica: the record is written here (:func:`record_lost_job`)."""
     log = log or _log(PREFIX)
     outcome = result.outcome
     if result.exit_code == 0:
@@ -310,14 +343,15 @@ def report(
                 "exit status 0"
             )
         return 0
-    if outcome is None:
+    if outcome is None and result.interrupted_by is not None:
         last = last_committed_step(run_dir)
         of = f" of {target_step}" if target_step is not None else ""
-        if result.interrupted_by is not None:
-            why = f"interrupted by {signal.Signals(result.interrupted_by).name}"
-        else:
-            why = "no outcome record (every replica lost, or killed from outside)"
+        why = f"interrupted by {signal.Signals(result.interrupted_by).name}"
         log(f"run ended without completing: {why}; last committed step {last}{of}")
+        return result.exit_code
+    if outcome is None:
+        outcome = record_lost_job(run_dir, target_step)
+        log(f"run ended without completing: {outcome['message']}")
     elif outcome.get("message"):
         log(str(outcome["message"]).replace("\n", " "))
     else:
@@ -357,7 +391,7 @@ def run_relaunching(
     min_replicas: int = 1,
 ) -> int:
     """Forward recovery's supervisor: :func:`run_supervised`, and while the job ends without an
-    outcome record after committing a new step (or after one more host was lost), relaunch it (at most ``relaunches`` times) on the
+    outcome record (or with an ``all_replicas_lost`` one) after committing a new step (or after one more host was lost), relaunch it (at most ``relaunches`` times) on the
     hosts that still answer (``hosts``, default: the Slurm allocation, if any), with as many whole
     replicas of ``replica_size`` ranks as they hold (at least ``min_replicas``); the exit status."""
     log = _log(prefix)
@@ -377,7 +411,9 @@ def run_relaunching(
             term_wait_s=RELAUNCH_TERM_WAIT_S,
             linger_s=RELAUNCH_LINGER_S,
         )
-        if result.outcome is not None or result.interrupted_by is not None:
+        # A job lost as a whole, with no record or with a rank's all_replicas_lost record, may be
+        # relaunched; any other record is how the run ended.
+        if not is_lost_job(result.outcome) or result.interrupted_by is not None:
             return report(result, run_dir, target_step=target_step, log=log)
         after = last_committed_step(run_dir)
         if generation >= relaunches:
@@ -415,8 +451,9 @@ def run_relaunching(
         )
         write_relaunch(run_dir, relaunch)
         what = f"hosts {', '.join(lost)} lost" if lost else "every replica lost"
+        ended = "without an outcome" if result.outcome is None else "with every replica lost"
         log(
-            f"the job ended without an outcome after step {after} ({what}): relaunching it "
+            f"the job ended {ended} after step {after} ({what}): relaunching it "
             f"(generation {generation}{width}, {relaunches - generation} relaunches left)"
         )
         before = after

@@ -58,7 +58,8 @@ class Fault:
     """``replicas`` fail during the ``index``-th ``op`` ("allreduce" or "agree") call of ``step``.
 
     ``record``: the failure record each rank of those replicas writes before it dies (its
-    ``kind``, ``phase``, ``message``...); none for a process killed from outside.
+    ``kind``, ``phase``, ``message``...); none for a process killed from outside. ``running``:
+    when every replica fails, ranks of the failed replicas that still run besides this one.
     """
 
     step: int
@@ -66,6 +67,7 @@ class Fault:
     index: int
     replicas: tuple[int, ...]
     record: dict[str, Any] | None = None
+    running: tuple[int, ...] = ()
 
 
 class FakeGlobalComm:
@@ -143,6 +145,11 @@ class FakeComm:
     @property
     def alive_replicas(self) -> list[int]:
         return list(self._alive)
+
+    @property
+    def members(self) -> list[int]:
+        """Logical ranks of the current world (one rank per replica here)."""
+        return [r for rep in self._alive for r in self.topology.ranks_of_replica(rep)]
 
     @property
     def senior_replica(self) -> int:
@@ -228,6 +235,11 @@ class FakeComm:
         if torn is not None:
             torn.fill_(float("nan"))  # a torn reduction holds anything
         failed_ranks = tuple(r for rep in sorted(gone) for r in self.topology.ranks_of_replica(rep))
+        if not survivors:
+            # Every replica failed, but this process still runs (a rank of a failed replica whose
+            # peer died): the recovery finds the others' ranks failed, not this one.
+            still = {self.rank, *fault.running}
+            failed_ranks = tuple(r for r in failed_ranks if r not in still)
         detected_at = time.time()
         if fault.record is not None:
             assert self.run_dir is not None, "a fault with a record needs run_dir"

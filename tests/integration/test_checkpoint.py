@@ -37,7 +37,14 @@ from nanotron_recover.checkpoint import (
     run_identity,
     save_checkpoint,
 )
-from nanotron_recover.config import CheckpointsArgs, Config, LlamaConfig, ModelArgs, ParallelismArgs
+from nanotron_recover.config import (
+    CheckpointsArgs,
+    Config,
+    LlamaConfig,
+    ModelArgs,
+    ParallelismArgs,
+    RecoverArgs,
+)
 from nanotron_recover.models.llama import LlamaStage
 
 
@@ -94,6 +101,79 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path):
     save_checkpoint(tmp_path, 6, cfg, stage, None, tp=1, pp=1, dp_rank=0)
     assert not (tmp_path / "step_4.tmp").exists()
     assert latest_step(tmp_path) == 6
+
+
+# -- a large save and the failure watch --------------------------------------------------------
+GIB = 2**30
+# A heartbeat or failure-watch thread must keep running while a checkpoint is written: ULFM's
+# detector declares a rank dead after recover.heartbeat_timeout_s (5 s by default) without progress.
+# The bound is half of that: a behaviour (the GIL is released while writing), not a speed target;
+# a machine busy with other work stalls a thread for a second now and then.
+MAX_TICK_GAP_S = RecoverArgs().heartbeat_timeout_s / 2
+
+
+def _available_ram() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_large_save_does_not_starve_a_python_thread(tmp_path):
+    """2.2 GiB of parameters through save_checkpoint while a thread ticks every 10 ms, as the
+    failure watch polls: the longest gap between ticks stays below half the heartbeat timeout
+    (writing them with the GIL held, as torch.save does at about 2 s per GiB, would not).
+    safetensors (>= 0.8) writes with the GIL released; torch.save writes only the small RNG state."""
+    ram, disk = _available_ram(), shutil.disk_usage(tmp_path).free
+    if ram < 6 * GIB or disk < 6 * GIB:
+        pytest.skip(
+            f"needs 6 GiB of free RAM and disk, has {ram / GIB:.1f} GiB RAM, {disk / GIB:.1f} GiB disk"
+        )
+    mcfg = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_hidden_layers=6,
+        vocab_size=65536,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    cfg = Config(model=ModelArgs(model_config=mcfg, dtype="float32"))
+    stage = LlamaStage(mcfg)
+    with torch.no_grad():
+        for p in stage.parameters():
+            p.fill_(0.01)
+    nbytes = sum(p.numel() * p.element_size() for p in stage.parameters())
+    assert nbytes > 2 * GIB
+
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.01)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        path = save_checkpoint(tmp_path, 1, cfg, stage, None, tp=1, pp=1, dp_rank=0)
+    finally:
+        done.set()
+        ticker.join()
+
+    assert latest_step(tmp_path) == 1 and path == tmp_path / "step_1"
+    written = sum(f.stat().st_size for f in (path / "model").iterdir())
+    assert written >= nbytes  # the whole model went through the writer, as safetensors
+    assert len(gaps) > 10
+    assert max(gaps) < MAX_TICK_GAP_S, f"a 10 ms ticker stalled {max(gaps):.2f}s during the save"
 
 
 def test_reader_round_trips_weights(tmp_path):

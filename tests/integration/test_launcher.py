@@ -24,6 +24,7 @@ from nanotron_recover.config import load_config
 from nanotron_recover.errors import ExitCode
 from nanotron_recover.outcome import read_outcome, write_outcome
 from nanotron_recover.slurm import render_sbatch
+from nanotron_recover.supervisor import LOST_WITHOUT_RECORD
 from tests.helpers.mpirun_utils import REPO, run_cli, run_process, single_rank_env
 
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
@@ -140,10 +141,17 @@ def test_exit_0_without_an_outcome_record_is_a_failure(tmp_path: Path):
 
     assert result.returncode == ExitCode.FAILED, result.output
     assert result.stderr.splitlines() == [
-        "nanotron-recover launch: run ended without completing: no outcome record (every replica lost, "
-        "or killed from outside); last committed step 3 of 10"
+        f"nanotron-recover launch: run ended without completing: {LOST_WITHOUT_RECORD}; "
+        "last committed step 3 of 10"
     ]
-    assert read_outcome(run_dir) is None
+    outcome = read_outcome(run_dir)  # the supervisor records the lost job
+    assert outcome is not None
+    assert (outcome["status"], outcome["kind"], outcome["last_step"], outcome["exit_code"]) == (
+        "stopped",
+        "all_replicas_lost",
+        3,
+        1,
+    )
 
 
 def test_stopped_outcome_gives_its_exit_code_and_one_line(tmp_path: Path):
@@ -230,24 +238,42 @@ def test_run_supervised_timeout_ends_the_command(tmp_path: Path):
 
 # -- a real launch --------------------------------------------------------------------------------
 @pytest.mark.mpi
-def test_launch_where_every_replica_dies_exits_non_zero(tmp_path: Path):
-    """Both replicas SIGKILLed at step 2 and no relaunch allowed: mpirun itself exits 0 under ULFM,
-    the launch must not (with relaunches, tests/integration/test_supervisor.py)."""
+@pytest.mark.parametrize(
+    "tp, faults",
+    [
+        (1, "[{step: 2, replica: 0}, {step: 2, replica: 1}]"),
+        # One rank of each replica: their tp peers still run when no replica is left, and may
+        # write the record themselves; the record and the status are the same either way.
+        (2, "[{step: 2, rank: 0}, {step: 2, rank: 2}]"),
+    ],
+)
+def test_launch_where_every_replica_dies_exits_1_and_says_so(tmp_path: Path, tp: int, faults: str):
+    """Every replica SIGKILLed at step 2 and no relaunch allowed: mpirun itself exits 0 under ULFM,
+    the launch exits 1 with a record of the lost job (with relaunches,
+    tests/integration/test_supervisor.py)."""
     run_dir = tmp_path / "run"
     sets = [
         "tokens.train_steps=4",
+        f"parallelism.tp={tp}",
         "recover.enabled=true",
         "recover.max_restarts=0",
-        "recover.faults=[{step: 2, replica: 0}, {step: 2, replica: 1}]",
+        f"recover.faults={faults}",
     ]
     args = ["launch", "--config", TINY, "--run-dir", str(run_dir)]
     result = run_cli(args + [a for s in sets for a in ("--set", s)], timeout=300)
 
     assert result.returncode == ExitCode.FAILED, result.output[-3000:]
-    assert (
-        "nanotron-recover launch: run ended without completing: no outcome record (every replica lost, "
-        "or killed from outside); last committed step 1 of 4"
-    ) in result.stderr, result.output[-3000:]
+    outcome = read_outcome(run_dir)
+    assert outcome is not None, result.output[-3000:]
+    assert (outcome["status"], outcome["kind"], outcome["last_step"], outcome["exit_code"]) == (
+        "stopped",
+        "all_replicas_lost",
+        1,
+        1,
+    ), result.output[-3000:]
+    assert outcome["message"] in result.stderr
+    assert "every replica lost" in outcome["message"]
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").glob("step_*"))
     assert "--mca mpi_ft_detector true" in result.stdout
 
 

@@ -93,7 +93,9 @@ def test_no_relaunch_without_progress_or_past_the_limit(tmp_path, case):
     )
     assert (tmp_path / "launches").read_text() == str(launches)
     assert f"not relaunching: {why}" in result.stderr
-    assert "no outcome record" in result.stderr
+    assert "every replica lost: the job ended without an outcome record" in result.stderr
+    outcome = read_outcome(tmp_path / "run")
+    assert outcome is not None and (outcome["kind"], outcome["exit_code"]) == ("all_replicas_lost", 1)
 
 
 class ScriptedHosts(HostPlan):

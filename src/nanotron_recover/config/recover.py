@@ -238,7 +238,9 @@ class RecoverArgs:
     # shrink past it. Short values catch hangs sooner at the risk of declaring a busy rank dead.
     heartbeat_period_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
-    # Replica-consistency gate: barrier in the replica's torch world before cross-replica traffic.
+    # Replica-consistency gate before cross-replica traffic: every rank of the replica arrives within
+    # this many seconds, or the waiting ranks leave naming the missing ones (gloo: monitored_barrier;
+    # NCCL: a gate through the replica's TCPStore, ft/gate.py).
     gate_timeout_s: float = 120.0
     faults: list[FaultSpec] = field(default_factory=list)
     random_faults: RandomFaults | None = None

@@ -31,4 +31,4 @@ def init_replica_world(ftc: FaultTolerantComm, timeout_s: float = 300.0) -> Worl
     timeout = timedelta(seconds=timeout_s)
     store = create_store(ftc.replica_comm, rank, size, timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
-    return World(rank=rank, size=size, local_rank=node_local, device=device, backend=backend)
+    return World(rank=rank, size=size, local_rank=node_local, device=device, backend=backend, store=store)

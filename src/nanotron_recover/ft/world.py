@@ -72,7 +72,8 @@ class AllReplicasFailed(FTError):
     """Recovery committed but every replica failed: no replica is left alive to go on.
 
     Raised on the ranks still running (members of failed replicas). The step transaction turns it
-    into the same ``too_few_replicas`` stop as falling below ``recover.min_replicas``.
+    into a lost job (kind ``all_replicas_lost``, exit 1, nothing saved), not the checkpointed stop
+    of falling below ``recover.min_replicas``.
     """
 
     def __init__(self, result: RecoveryResult) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -35,6 +35,9 @@ class World:
     local_rank: int
     device: torch.device
     backend: str
+    # The store the world was created from (a replica's TCPStore): the gate's keys live there
+    # (``ft/gate.py``). None where nothing needs it.
+    store: dist.Store | None = field(default=None, compare=False, repr=False)
 
 
 def pick_device(local_rank: int) -> tuple[torch.device, str]:

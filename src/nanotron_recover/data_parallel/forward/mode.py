@@ -67,7 +67,8 @@ def _ends_here(method: Callable[..., T]) -> Callable[..., T]:
         try:
             return method(self, *args, **kwargs)
         except StopJob as job:
-            self._end_snapshots()
+            if not job.job_lost:  # a lost job may be relaunched from its snapshots
+                self._end_snapshots()
             self.stops.exit(job)
         except Parked as parked:
             parked.wait_for_rejoin = self._wait_for_rejoin
@@ -227,7 +228,8 @@ class ForwardRecovery:
             with self.steps.local_phase(name):
                 yield
         except StopJob as job:
-            self._end_snapshots()
+            if not job.job_lost:  # a lost job may be relaunched from its snapshots
+                self._end_snapshots()
             self.stops.exit(job)
         except Parked as parked:
             parked.wait_for_rejoin = self._wait_for_rejoin

@@ -49,7 +49,9 @@ import torch.distributed as dist
 
 from ...errors import StopRun
 from ...failures import RETRYABLE_KINDS, UNREPAIRABLE_KINDS, Kind, Phase, classify, is_peer_error, signature
+from ...ft.gate import StoreGate
 from ...ft.world import AllReplicasFailed, WorldChanged
+from ...parallel.world import World
 from ...policy import CoverageError, StepPlan, adaptive_plan, check_coverage, repair, steady_plan
 from ..protocol import Parked, ReducedStep
 from .buckets import BucketedReduction
@@ -81,6 +83,7 @@ class StepTransaction:
             rejoin,
         )
         self.reduction: BucketedReduction | None = None
+        self.store_gate: StoreGate | None = None  # the gate off gloo, one per torch world
         self.computing: tuple[int, ...] = ()
         self.current_id: int | None = None
 
@@ -264,12 +267,22 @@ class StepTransaction:
                 if world.backend == "gloo":
                     dist.monitored_barrier(timeout=timedelta(seconds=s.args.gate_timeout_s))
                 else:
-                    dist.barrier()
+                    # NCCL has no monitored barrier: the same gate, with its timeout, through the
+                    # replica's store (ft/gate.py).
+                    self._store_gate(world)(s.args.gate_timeout_s)
         except Exception as e:
             why = f"replica-consistency gate failed: {' '.join(str(e).split())[:300]}"
             if s.rejoin_on:
                 self.rejoin.park_now(why)
             self.members.leave(Kind.PEER_ERROR, why)
+
+    def _store_gate(self, world: World) -> StoreGate:
+        """The store gate of ``world`` (a new world, after a re-join, starts its gates afresh)."""
+        if world.store is None:
+            raise RuntimeError("the replica's world has no store for its gate")
+        if self.store_gate is None or self.store_gate.store is not world.store:
+            self.store_gate = StoreGate(world.store, world.rank, world.size)
+        return self.store_gate
 
     def _fill_bookkeeping(self, state: StepState, first_id: int) -> None:
         s, book = self.s, self.s.bookkeeping

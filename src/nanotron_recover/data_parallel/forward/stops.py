@@ -9,7 +9,14 @@ stops everyone after the same step); every survivor learns it from the same agre
 After a failure, the survivors judge the failure records once (:meth:`Stops.after_failure`):
 records of an unrepairable kind (``io``, ``deterministic``) stop the job; fewer replicas than
 ``recover.min_replicas`` stop it too, after the checkpoint writer saved the last committed step
-synchronously (that checkpoint resumes in either mode).
+synchronously (that checkpoint resumes in either mode; exit 3 only when that save succeeded,
+otherwise 1).
+
+No replica left at all (:meth:`Stops.no_replica_left`) is a lost job, not a stop for too few
+replicas: there is no replica to save from and nobody to agree with. The lowest rank still running
+records it (kind ``all_replicas_lost``, the last committed step, exit 1) and every rank still
+running exits 1; node-memory snapshots are kept, since the supervisor relaunches a lost job as it
+would one that left no record.
 
 The parts never exit themselves: they raise :class:`StopJob`, and the mode turns it into the exit
 (:meth:`Stops.exit`): the message is known only where the cause was met, one allgather gives it
@@ -25,7 +32,7 @@ from typing import NoReturn
 
 from ...errors import StopRun
 from ...failures import UNREPAIRABLE_KINDS, Kind, first_stop, stop_bit
-from ...ft.world import AllReplicasFailed, WorldChanged
+from ...ft.world import AllReplicasFailed, RecoveryResult, WorldChanged
 from ...outcome import SUPERVISED_ENV
 from .incidents import Incident, Incidents
 from .members import Members
@@ -38,10 +45,17 @@ class StopJob(BaseException):
 
     ``save``: the checkpoint writer saves ``last_step`` first (too few replicas). ``known``: this
     rank met the cause (a stop agreed in a step agree carries only its kind). ``announce``: parked
-    ranks must still learn of it from an agree."""
+    ranks must still learn of it from an agree. ``lost``: the recovery that left no replica alive
+    (the job is lost: see :meth:`Stops.no_replica_left`)."""
 
     def __init__(
-        self, last_step: int, stop: StopRun, save: bool = False, known: bool = True, announce: bool = True
+        self,
+        last_step: int,
+        stop: StopRun,
+        save: bool = False,
+        known: bool = True,
+        announce: bool = True,
+        lost: RecoveryResult | None = None,
     ):
         super().__init__(stop.message)
         self.last_step, self.stop, self.save, self.known, self.announce = (
@@ -51,6 +65,12 @@ class StopJob(BaseException):
             known,
             announce,
         )
+        self.lost = lost
+
+    @property
+    def job_lost(self) -> bool:
+        """No replica is left: the job may be relaunched (its node-memory snapshots must stay)."""
+        return self.lost is not None
 
 
 class Stops:
@@ -79,7 +99,18 @@ class Stops:
 
     @staticmethod
     def no_replica_left(last_step: int, gone: AllReplicasFailed) -> StopJob:
-        return StopJob(last_step, StopRun(Kind.TOO_FEW_REPLICAS, str(gone)), announce=False)
+        """Every replica failed: the job is lost after ``last_step`` (exit 1, nothing saved)."""
+        failed = list(gone.result.failed_replicas)
+        why = f"every replica lost (failed replicas {failed}); nothing saved after the last checkpoint"
+        return StopJob(last_step, StopRun(Kind.ALL_REPLICAS_LOST, why), announce=False, lost=gone.result)
+
+    def writes_lost_record(self, lost: RecoveryResult) -> bool:
+        """Whether this rank records a lost job: the lowest rank still running. Every rank still
+        running computes the same answer from the recovery that every one of them committed
+        (the members before it, less the ranks it found failed)."""
+        ftc = self.s.ftc
+        running = sorted(set(ftc.members) - set(lost.failed_ranks))
+        return bool(running) and ftc.rank == running[0]
 
     # -- the verdict after a failure -----------------------------------------------------------
     def after_failure(
@@ -114,6 +145,11 @@ class Stops:
     def exit(self, job: StopJob) -> NoReturn:
         """Stop the whole job: every survivor gets here after the same agree or recovery."""
         s, stop = self.s, job.stop
+        if job.lost is not None:
+            # Nobody is left to agree with, or to save from: the lowest rank still running says it.
+            if self.writes_lost_record(job.lost):
+                self.end_with(job.last_step, stop)
+            self._leave_job(int(stop.exit_code))
         if job.announce and s.rejoin_on:
             # Parked ranks learn of a stop the active ranks decided on their own from an agree.
             while True:
@@ -128,9 +164,8 @@ class Stops:
         knows_cause = self.pending is not None and self.pending.kind == stop.kind
         # A stop agreed in the step agree (known=False) carries only its kind: the message is with the
         # rank(s) that requested it, and must not be replaced by this rank's placeholder.
-        knows_cause = knows_cause or (
-            job.known and (stop.kind in UNREPAIRABLE_KINDS or "no replica left" in message)
-        )
+        knows_cause = knows_cause or (job.known and stop.kind in UNREPAIRABLE_KINDS)
+        unsaved = False
         if job.save and self.members.is_checkpoint_writer():
             knows_cause = True
             try:
@@ -140,13 +175,18 @@ class Stops:
                     "checkpoints.resume_checkpoint_path"
                 )
             except Exception as e:
+                unsaved = True  # exit 1, not 3: the last committed step is not checkpointed
                 message += f". Could not save step {job.last_step}: {' '.join(str(e).split())}"
         try:
-            known = s.ftc.global_comm.allgather(message if knows_cause else None)
-            message = next((m for m in known if m), message)
+            # (message, save failed) of every rank: the message where the cause is known, and
+            # whether any checkpoint writer failed, so every rank exits with the same status.
+            known = s.ftc.global_comm.allgather((message if knows_cause else None, unsaved))
+            entries = [k for k in known if isinstance(k, tuple)]
+            message = next((m for m, _ in entries if m), message)
+            unsaved = unsaved or any(u for _, u in entries)
         except Exception:
             pass  # a failure now: keep what this rank knows
-        stop = StopRun(stop.kind, message)
+        stop = StopRun(stop.kind, message, unsaved=unsaved)
         if self.members.is_logger():
             self.end_with(job.last_step, stop)
         self._leave_job(int(stop.exit_code))

@@ -7,8 +7,12 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from nanotron_recover.ft.gate import StoreGate
 from nanotron_recover.logging import read_incidents
+from nanotron_recover.parallel.world import World
 from nanotron_recover.policy import CoverageError
 from nanotron_recover.timing import PHASES, PhaseTimes
 from tests.helpers.fake_comm import OTHERS_BEGAN_S, OTHERS_SURFACED_S, Fault
@@ -185,3 +189,40 @@ def test_the_step_times_its_phases(tmp_path, faults, reductions):
     assert record["optimizer_s"] == record["checkpoint_s"] == 0  # the trainer's
     assert record["reduce_bytes"] == reductions * (N * 4 + (2 * job.B + 2 * job.W) * 8)
     assert sum(record[f"{p}_s"] for p in PHASES) <= record["wall_s"]
+
+
+# -- the gate off gloo ------------------------------------------------------------------------------
+
+
+class Left(BaseException):
+    """What ``members.leave`` raises here instead of ending the test process."""
+
+
+@pytest.mark.parametrize("peer_arrives", [True, False])
+def test_the_gate_on_nccl_goes_through_the_store_with_the_gate_timeout(tmp_path, monkeypatch, peer_arrives):
+    # A replica of 2 ranks on NCCL (as the step sees it: no monitored barrier there): rank 0 waits
+    # for rank 1's key in the replica's store, at most recover.gate_timeout_s.
+    job = Replica(tmp_path, W=2, G=1, me=0, sets=["recover.gate_timeout_s=0.2"])
+    store = dist.HashStore()
+    job.fr.s.parts.world = World(0, 2, 0, torch.device("cpu"), "nccl", store=store)
+    left: list[tuple[str, str]] = []
+
+    def leave(kind, why, **extra):
+        left.append((kind, why))
+        raise Left()
+
+    monkeypatch.setattr(job.fr.steps.members, "leave", leave)
+    if peer_arrives:
+        store.set(StoreGate(store, 1, 2).key(1, 1), b"1")  # rank 1 is at gate 1 already
+        job.fr.steps._gate()
+        assert left == [] and store.check(["nanotron_recover/gate/1/0"])
+    else:
+        with pytest.raises(Left):
+            job.fr.steps._gate()
+        assert left == [
+            (
+                "peer_error",
+                "replica-consistency gate failed: gate 1 timed out after 0.2s: "
+                "rank(s) [1] of the replica did not arrive",
+            )
+        ]

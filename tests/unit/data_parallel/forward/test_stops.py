@@ -35,7 +35,7 @@ def test_stop_requested_by_another_replica(tmp_path, exits):
     # A save failed on another rank (a full disk): only that rank knows the message.
     job = Replica(tmp_path, W=4, G=2, me=0)
     job.comm.others_stop = stop_bit("io")
-    job.comm.others_gather = "No space left on device: checkpoints/1"
+    job.comm.others_gather = ("No space left on device: checkpoints/1", False)
 
     with pytest.raises(Exited) as exited:
         job.step(1)
@@ -45,7 +45,7 @@ def test_stop_requested_by_another_replica(tmp_path, exits):
     ((status, last_step, stop),) = job.outcomes
     assert (status, last_step, stop.kind) == ("stopped", 0, "io")
     # The logging rank learns the message from the allgather; it does not know it itself.
-    assert job.comm.global_comm.gathered == [None]
+    assert job.comm.global_comm.gathered == [(None, False)]
     assert stop.message == "No space left on device: checkpoints/1"
 
 
@@ -89,15 +89,69 @@ def test_below_min_replicas_saves_the_last_committed_step_and_stops(tmp_path, ex
     assert incident["step"] == 2 and incident["failed_replicas"] == [3]
 
 
-def test_every_replica_lost(tmp_path, exits):
-    job = Replica(tmp_path, W=2, G=2, me=0, faults=[Fault(2, "agree", 0, (0, 1))])
+def test_below_min_replicas_whose_save_fails_exits_1(tmp_path, exits):
+    # Exit 3 promises a checkpoint of the last committed step: without one the run exits 1.
+    job = Replica(
+        tmp_path, W=4, G=2, me=0, faults=[Fault(2, "allreduce", 0, (3,))], sets=["recover.min_replicas=4"]
+    )
+
+    def full_disk(step: int, synchronous: bool) -> None:
+        raise OSError(28, "No space left on device")
+
+    job.fr.s.parts.save = full_disk
     job.assert_full_batch(1, job.step(1))
+    job.fr.after_step(1)
 
     with pytest.raises(Exited) as exited:
         job.step(2)
 
-    assert exited.value.code == ExitCode.TOO_FEW_REPLICAS
+    assert exited.value.code == ExitCode.FAILED
+    ((status, last_step, stop),) = job.outcomes
+    assert (status, last_step, stop.kind, int(stop.exit_code)) == ("stopped", 1, "too_few_replicas", 1)
+    assert "Could not save step 1: [Errno 28] No space left on device" in stop.message
+    assert job.comm.global_comm.gathered == [(stop.message, True)]
+
+
+def test_below_min_replicas_exits_1_when_another_writer_failed_to_save(tmp_path, exits):
+    job = Replica(
+        tmp_path, W=4, G=2, me=1, faults=[Fault(1, "allreduce", 0, (3,))], sets=["recover.min_replicas=4"]
+    )
+    job.comm.others_gather = ("3 replicas left. Could not save step 0: disk full", True)
+
+    with pytest.raises(Exited) as exited:
+        job.step(1)
+
+    assert exited.value.code == ExitCode.FAILED
+    assert job.saves == [] and job.outcomes == []  # replica 0 writes and logs
+    assert job.comm.global_comm.gathered == [(None, False)]
+
+
+def test_every_replica_lost(tmp_path, exits, monkeypatch):
+    # This rank (replica 1's) still runs, the only one: it records the lost job, exit 1, no save.
+    job = Replica(tmp_path, W=2, G=2, me=1, faults=[Fault(2, "agree", 0, (0, 1))])
+    job.assert_full_batch(1, job.step(1))
+    job.fr.after_step(1)
+    snapshot_ends: list[bool] = []
+    monkeypatch.setattr(job.fr, "_end_snapshots", lambda: snapshot_ends.append(True))
+
+    with pytest.raises(Exited) as exited:
+        job.step(2)
+
+    assert exited.value.code == ExitCode.FAILED == 1
     assert job.saves == []
     ((status, last_step, stop),) = job.outcomes
-    assert (status, last_step, stop.kind) == ("stopped", 1, "too_few_replicas")
-    assert "no replica left alive" in stop.message
+    assert (status, last_step, stop.kind, int(stop.exit_code)) == ("stopped", 1, "all_replicas_lost", 1)
+    assert stop.message.startswith("every replica lost (failed replicas [0, 1])")
+    assert job.comm.global_comm.gathered == []  # nobody left to gather with
+    assert snapshot_ends == []  # a lost job keeps its node-memory snapshots for a relaunch
+
+
+def test_every_replica_lost_is_recorded_by_the_lowest_rank_still_running(tmp_path, exits):
+    # Ranks 0 and 1 both still run (each lost a replica peer): rank 0 records, rank 1 only exits 1.
+    job = Replica(tmp_path, W=3, G=2, me=1, faults=[Fault(1, "allreduce", 1, (0, 1, 2), running=(0,))])
+
+    with pytest.raises(Exited) as exited:
+        job.step(1)
+
+    assert exited.value.code == ExitCode.FAILED
+    assert job.outcomes == [] and job.saves == []

@@ -1,0 +1,114 @@
+"""The supervisor's rule for a job that lost every replica (``supervisor.py``): exit 1, and an
+outcome record that says so (kind ``all_replicas_lost``, the last committed step), whether a rank
+outlived the replicas and wrote it or nobody was left and the supervisor writes it; such a job is
+relaunched like one without a record. Fake jobs (a Python script standing in for ``mpirun``), no MPI.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from nanotron_recover.errors import ExitCode
+from nanotron_recover.outcome import read_outcome
+from nanotron_recover.supervisor import run_relaunching, supervise
+
+
+def fake_job(tmp_path: Path, body: str) -> list[str]:
+    """A script standing in for mpirun: it counts its launches (``n``), can ``commit(step)`` a
+    metrics record and ``record(...)`` an outcome, as the ranks do."""
+    script = tmp_path / "fake_job.py"
+    script.write_text(
+        "import json, sys, time\nfrom pathlib import Path\n"
+        f"run_dir, tmp = Path({str(tmp_path / 'run')!r}), Path({str(tmp_path)!r})\n"
+        "count = tmp / 'launches'\nn = int(count.read_text()) + 1 if count.exists() else 1\n"
+        "count.write_text(str(n))\nrun_dir.mkdir(parents=True, exist_ok=True)\n"
+        "def commit(step):\n"
+        "    with open(run_dir / 'metrics.jsonl', 'a') as f:\n"
+        "        f.write(json.dumps({'step': step, 'loss': 1.0}) + '\\n')\n"
+        "def record(status, last_step, kind, exit_code, target_step=5):\n"
+        "    r = dict(status=status, last_step=last_step, target_step=target_step, kind=kind,\n"
+        "             message=f'{kind} after step {last_step}', exit_code=exit_code, time=time.time())\n"
+        "    (run_dir / 'outcome.json').write_text(json.dumps(r))\n" + body
+    )
+    return [sys.executable, str(script)]
+
+
+def launches(tmp_path: Path) -> int:
+    return int((tmp_path / "launches").read_text())
+
+
+@pytest.mark.parametrize("mode", ["plain", "forward"])
+def test_a_job_that_ends_without_a_record_is_recorded_as_every_replica_lost(tmp_path, capfd, mode):
+    cmd = fake_job(tmp_path, "commit(1); commit(2)\n")  # every rank gone after step 2, no record
+    run_dir = tmp_path / "run"
+    if mode == "plain":
+        code = supervise(cmd, run_dir, grace_s=1.0, target_step=5)
+    else:  # no relaunch left: the record is how the run ended
+        code = run_relaunching(cmd, run_dir, grace_s=1.0, relaunches=0, target_step=5)
+
+    assert code == ExitCode.FAILED == 1
+    outcome = read_outcome(run_dir)
+    assert outcome is not None
+    assert (outcome["status"], outcome["kind"], outcome["last_step"], outcome["target_step"]) == (
+        "stopped",
+        "all_replicas_lost",
+        2,
+        5,
+    )
+    assert outcome["exit_code"] == 1
+    assert outcome["message"].startswith("every replica lost: the job ended without an outcome record")
+    assert outcome["message"].endswith("last committed step 2 of 5")
+    err = capfd.readouterr().err
+    assert f"nanotron-recover launch: run ended without completing: {outcome['message']}" in err
+
+
+def test_a_rank_that_outlived_every_replica_records_the_same_and_exits_1(tmp_path):
+    cmd = fake_job(tmp_path, "commit(1)\nrecord('stopped', 1, 'all_replicas_lost', 1)\n")
+    code = supervise(cmd, tmp_path / "run", grace_s=1.0, target_step=5)
+
+    assert code == 1
+    outcome = read_outcome(tmp_path / "run")
+    assert outcome is not None
+    assert (outcome["kind"], outcome["last_step"], outcome["message"]) == (
+        "all_replicas_lost",
+        1,
+        "all_replicas_lost after step 1",  # the rank's record, not replaced
+    )
+
+
+def test_a_job_lost_with_a_record_is_relaunched_like_one_without(tmp_path):
+    body = (
+        "if n == 1:\n    commit(1); commit(2); record('stopped', 2, 'all_replicas_lost', 1)\n"
+        "else:\n    commit(3); record('completed', 3, None, 0, target_step=3)\n"
+    )
+    code = run_relaunching(
+        fake_job(tmp_path, body), tmp_path / "run", grace_s=1.0, relaunches=2, target_step=3
+    )
+
+    assert code == 0
+    assert launches(tmp_path) == 2
+    outcome = read_outcome(tmp_path / "run")
+    assert outcome is not None and outcome["status"] == "completed"
+
+
+def test_a_stop_for_too_few_replicas_is_not_relaunched(tmp_path):
+    body = "commit(n); record('stopped', n, 'too_few_replicas', 3)\n"
+    code = run_relaunching(
+        fake_job(tmp_path, body), tmp_path / "run", grace_s=1.0, relaunches=2, target_step=5
+    )
+
+    assert code == ExitCode.TOO_FEW_REPLICAS == 3
+    assert launches(tmp_path) == 1
+    outcome = read_outcome(tmp_path / "run")
+    assert outcome is not None and outcome["kind"] == "too_few_replicas"
+
+
+def test_a_lost_job_record_written_by_the_supervisor_is_valid_json_with_every_key(tmp_path):
+    supervise(fake_job(tmp_path, "pass\n"), tmp_path / "run", grace_s=1.0)
+    record = json.loads((tmp_path / "run" / "outcome.json").read_text())
+    assert set(record) == {"status", "last_step", "target_step", "kind", "message", "exit_code", "time"}
+    assert (record["last_step"], record["target_step"], record["exit_code"]) == (0, None, 1)
