@@ -48,6 +48,7 @@ from .logging import MetricsWriter, ids_digest
 from .logging.benchmark import append_row, benchmark_row
 from .logging.profiler import StepProfiler
 from .logging.progress import Progress
+from .logging.runinfo import write_run_info
 from .logging.wandb_logger import RunLogger, run_name_for_config
 from .optim import lr_at
 from .outcome import write_outcome
@@ -282,6 +283,8 @@ class DistributedTrainer:
             self.save(0)
         last = t.train_steps if stop_after_step is None else min(stop_after_step, t.train_steps)
         self.target_step = last
+        if self.dp_mode.is_logger():
+            self._write_run_info()
         final_save = ck.save_final_state or stop_after_step is not None
         profiler = StepProfiler.for_run(
             self.cfg.profiler,
@@ -337,6 +340,28 @@ class DistributedTrainer:
             self.dp_mode.abort(error)
             raise
         return results
+
+    def _write_run_info(self) -> None:
+        """``<run_dir>/run.json`` (logging/runinfo.py): the target and layout, for watchers."""
+        p, r = self.cfg.parallelism, self.cfg.recover
+        write_run_info(
+            self.run_dir,
+            {
+                "run": self.cfg.general.run or self.run_dir.name,
+                "target_step": self.target_step,
+                "train_steps": self.cfg.tokens.train_steps,
+                "start_step": self.start_step,
+                "dp": p.dp,
+                "tp": p.tp,
+                "pp": p.pp,
+                "dp_shard": p.dp_shard,
+                "replica_size": p.replica_size,
+                "B": self.B,
+                "recover": r.mode if r.enabled else "plain",
+                "rejoin": r.rejoin.mode,
+                "started_at": time.time(),
+            },
+        )
 
     def _write_benchmark_row(self, step_times_s: list[float]) -> None:
         """Append this run's throughput row to ``general.benchmark_csv_path`` (logging rank). A row
