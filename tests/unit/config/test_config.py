@@ -1165,8 +1165,7 @@ def test_prometheus_port():
     assert tiny("logging.prometheus_port=0").logging.prometheus_port == 0
     for bad in ("-1", "65536"):
         assert tiny_error(f"logging.prometheus_port={bad}") == (
-            "logging.prometheus_port must be a TCP port 1-65535, 0 (any free port) or null (off), "
-            f"got {bad}"
+            f"logging.prometheus_port must be a TCP port 1-65535, 0 (any free port) or null (off), got {bad}"
         )
     assert "prometheus_port" in tiny_error("logging.prometheus_port=true")
     assert "prometheus_port" in tiny_error("logging.prometheus_port=http")
