@@ -104,8 +104,9 @@ def _host_pid(name: str, sep: str) -> tuple[str, int] | None:
     return (host, int(pid)) if host and pid.isdigit() else None
 
 
-def read_run(run_dir: str | Path, now: float | None = None) -> RunRecords:
-    """Read ``run_dir``'s records (see the module docstring); a file not there yet reads as empty."""
+def read_run(run_dir: str | Path, now: float | None = None, logs: bool = True) -> RunRecords:
+    """Read ``run_dir``'s records (see the module docstring); a file not there yet reads as empty.
+    ``logs=False`` skips the metrics and incident logs (for a reader that holds them already)."""
     run_dir = Path(run_dir)
     heartbeats: dict[tuple[str, int], float] = {}
     try:
@@ -127,8 +128,8 @@ def read_run(run_dir: str | Path, now: float | None = None) -> RunRecords:
     outcome = _read_json(run_dir / "outcome.json")
     relaunch = _read_json(run_dir / GENERATION_FILE)
     return RunRecords(
-        metrics=_read_tail(run_dir / "metrics.jsonl"),
-        incidents=_read_tail(run_dir / "incidents.jsonl", max_bytes=1 << 62),
+        metrics=_read_tail(run_dir / "metrics.jsonl") if logs else [],
+        incidents=_read_tail(run_dir / "incidents.jsonl", max_bytes=1 << 62) if logs else [],
         ranks=ranks if isinstance(ranks, list) else [],
         info=read_run_info(run_dir),
         outcome=outcome if isinstance(outcome, dict) else None,
