@@ -181,8 +181,8 @@ class RunExporter:
         self._server: Any = None
         self._thread: Any = None
         self._warned = False
-        self._grid_due = True
         self._grid_at = -float("inf")
+        self._grid_due = False
         self.metrics.logger.info({"host": self.host, "pid": str(os.getpid())})
 
     @classmethod
@@ -235,7 +235,7 @@ class RunExporter:
         now = self._clock()
         if not (force or self._grid_due or now - self._grid_at >= GRID_REFRESH_S):
             return
-        self._grid_due, self._grid_at = False, now
+        self._grid_at, self._grid_due = now, False
         self.metrics.observe_grid(read_run(self.run_dir, logs=False))
 
     def observe_step(self, record: Mapping[str, Any]) -> None:
@@ -245,7 +245,8 @@ class RunExporter:
 
     def observe_incident(self, record: Mapping[str, Any]) -> None:
         self.metrics.observe_incident(record)
-        self._grid_due = True
+        self.refresh_grid(force=True)  # ranks per state follow the incident at once,
+        self._grid_due = True  # and again at the next step, when ranks.json names new processes
 
     def close(self) -> None:
         server, self._server = self._server, None

@@ -259,6 +259,7 @@ def summarize(records: RunRecords, incidents_shown: int = 6, history: int = 60) 
     rejoined: Counter[int] = Counter()
     joined = failed_joins = relaunches = 0
     hosts_lost: list[str] = []
+    back: set[int] = set()  # ranks brought back by a re-join since their last failure
 
     def ranks_of(replica: int) -> range:
         return range(replica * size, (replica + 1) * size)
@@ -276,6 +277,7 @@ def summarize(records: RunRecords, incidents_shown: int = 6, history: int = 60) 
                 rejoined[rep] += 1
                 for k in ranks_of(rep):
                     rank_state[k] = "spawned" if k in spawned else "alive"
+                    back.add(k)
         elif kind in RELAUNCH_KINDS or kind == "restart":
             relaunches += 1
             hosts_lost += [h for h in inc.get("hosts_lost") or [] if h not in hosts_lost]
@@ -290,6 +292,7 @@ def summarize(records: RunRecords, incidents_shown: int = 6, history: int = 60) 
                 failures[rep] += 1
                 replica_state[rep] = "lost"
                 for k in ranks_of(rep):
+                    back.discard(k)
                     rank_state[k] = "lost" if k in dead or not rejoin_on else "parked"
             if inc.get("alive_replicas") is not None:
                 for rep in set(range(W)) - set(inc["alive_replicas"]):
@@ -303,7 +306,9 @@ def summarize(records: RunRecords, incidents_shown: int = 6, history: int = 60) 
         row = table.get(k, {})
         host, pid = str(row.get("host", "?")), row.get("pid")
         beat = records.heartbeats.get((host, pid)) if pid is not None else None
-        if (host, pid) in records.fenced:
+        if (host, pid) in records.fenced and k not in back:
+            # A removed process still in the table; once its rank re-joined, the table (rewritten
+            # just after the re-join's incident) may lag behind it.
             state = "lost"
         elif beat is not None and state == "alive":
             state = "spawned"  # only spawned processes keep a heartbeat file

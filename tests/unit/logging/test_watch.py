@@ -248,3 +248,13 @@ def test_watch_once_prints_one_plain_frame(tmp_path: Path, capsys: pytest.Captur
     assert "demo-run  running  step 5/20" in out and "3:parked@a" in out
     assert "\x1b" not in out
     assert main(["watch", str(tmp_path / "missing"), "--once"]) == 2
+
+
+def test_a_fenced_process_is_lost_until_its_rank_rejoins(tmp_path: Path) -> None:
+    run = write_run(tmp_path, incidents=[CRASH])
+    (run / "fence").mkdir()
+    (run / "fence" / "a-102").touch()  # rank 2's process, removed from the job
+    assert summarize(read_run(run, now=T0)).replicas[1].ranks[0].state == "lost"
+    # The re-join's incident is written just before ranks.json names the spawned process.
+    write_run(tmp_path, incidents=[CRASH, JOINED])
+    assert summarize(read_run(run, now=T0)).replicas[1].ranks[0].state == "spawned"
