@@ -176,8 +176,7 @@ def validate_config(cfg: Config, check_paths: bool = True) -> None:
     port = cfg.logging.prometheus_port
     if port is not None and not 0 <= port <= 65535:
         raise ConfigError(
-            "logging.prometheus_port must be a TCP port 1-65535, 0 (any free port) or null (off), "
-            f"got {port}"
+            f"logging.prometheus_port must be a TCP port 1-65535, 0 (any free port) or null (off), got {port}"
         )
     _validate_profiler(cfg)
     _check_fixed(FIXED_FIELDS, cfg)
