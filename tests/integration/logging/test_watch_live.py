@@ -92,6 +92,13 @@ class Pane:
             check=True,
             timeout=30,
         )
+        found = subprocess.run(
+            [*self.tmux, "display-message", "-p", "#{socket_path}"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        self.socket = Path(found.stdout.strip()) if found.stdout.strip() else None
 
     def text(self) -> str:
         result = subprocess.run(
@@ -102,6 +109,8 @@ class Pane:
     def close(self) -> None:
         subprocess.run([*self.tmux, "kill-session", "-t", self.name], capture_output=True, timeout=30)
         subprocess.run([*self.tmux, "kill-server"], capture_output=True, timeout=30)
+        if self.socket is not None and self.socket.name == self.name:
+            self.socket.unlink(missing_ok=True)  # the server of this session alone; it has exited
 
 
 def _observe(look: Callable[[], object], stop: threading.Event, seen: list) -> None:
