@@ -1,4 +1,4 @@
-"""``nanotron-recover``: train, launch, convert, eval, preprocess.
+"""``nanotron-recover``: train, launch, watch, convert, eval, preprocess.
 
 ``train`` is the per-rank entry point (mpirun starts one per rank); ``launch`` (see
 :mod:`.launcher`) starts ``mpirun`` with the flags the engine needs, runs ``train`` on every rank and
@@ -71,6 +71,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
     )
 
 
+# -- watch ------------------------------------------------------------------------------------
+def cmd_watch(args: argparse.Namespace) -> int:
+    from .logging.watch import watch
+
+    return watch(args.run_dir, once=args.once, interval_s=args.interval, width=args.width)
+
+
 # -- convert / eval / preprocess -----------------------------------------------------------------
 def cmd_convert(args: argparse.Namespace) -> int:
     from .models.hf_conversion import from_hf, to_hf
@@ -139,6 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir")
     p.add_argument("--stop-after-step", type=int)
     p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser(
+        "watch", help="a live view of a run from its run directory (replicas, hosts, progress, incidents)"
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--once", action="store_true", help="print one frame and exit (plain text when not a tty)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between redraws (1)")
+    p.add_argument("--width", type=int, help="columns to draw in (default: the terminal's)")
+    p.set_defaults(func=cmd_watch)
 
     p = sub.add_parser("convert", help="convert to or from a Hugging Face LlamaForCausalLM folder")
     add_config_arguments(p)

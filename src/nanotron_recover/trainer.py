@@ -48,6 +48,8 @@ from .logging import MetricsWriter, ids_digest
 from .logging.benchmark import append_row, benchmark_row
 from .logging.profiler import StepProfiler
 from .logging.progress import Progress
+from .logging.prometheus import RunExporter
+from .logging.runinfo import write_run_info
 from .logging.wandb_logger import RunLogger, run_name_for_config
 from .optim import lr_at
 from .outcome import write_outcome
@@ -123,6 +125,7 @@ class DistributedTrainer:
         self._history: list[dict[str, Any]] = []
         # Real on the logging rank only (see _start_reporting); no-ops elsewhere.
         self.run_logger = RunLogger()
+        self.exporter: RunExporter | None = None  # logging.prometheus_port's endpoint
         self.progress = Progress(0, enabled=False)
         self._pending_save: PendingSave | None = None
         self.times = PhaseTimes()  # where each step's time goes, in its metrics record
@@ -149,7 +152,7 @@ class DistributedTrainer:
                 engine=self.engine,
                 data=self.source_for,
                 save=lambda step, synchronous: self.save(step, synchronous=synchronous),
-                log_incident=lambda record: self.run_logger.log_incident(record),
+                log_incident=self._log_incident,
                 write_line=lambda line: self.progress.write(line, file=sys.stdout),
                 write_outcome=self.write_outcome,
                 world=self.world,
@@ -160,6 +163,12 @@ class DistributedTrainer:
                 times=self.times,
             )
         )
+
+    def _log_incident(self, record: dict[str, Any]) -> None:
+        """An incident the logging rank wrote to incidents.jsonl: to W&B and Prometheus."""
+        self.run_logger.log_incident(record)
+        if self.exporter is not None:
+            self.exporter.observe_incident(record)
 
     # -- data --------------------------------------------------------------------------------
     def source_for(self, step: int) -> MicroBatchSource:
@@ -272,16 +281,17 @@ class DistributedTrainer:
         t = self.cfg.tokens
         ck = self.cfg.checkpoints
         results = []
+        last = t.train_steps if stop_after_step is None else min(stop_after_step, t.train_steps)
+        self.target_step = last
         if self.dp_mode.is_logger():
             # Fields accepted although they run differently here (same math) say so once.
             for note in config_notes(self.cfg) + self._startup_lines:
                 print(f"[nanotron-recover] {note}", flush=True)
+            self._write_run_info()
             # A resumed run redoes the steps after its checkpoint: drop their old records.
             self._start_reporting(truncate_after_step=self.start_step)
         if ck.save_initial_state and self.start_step == 0:
             self.save(0)
-        last = t.train_steps if stop_after_step is None else min(stop_after_step, t.train_steps)
-        self.target_step = last
         final_save = ck.save_final_state or stop_after_step is not None
         profiler = StepProfiler.for_run(
             self.cfg.profiler,
@@ -338,6 +348,28 @@ class DistributedTrainer:
             raise
         return results
 
+    def _write_run_info(self) -> None:
+        """``<run_dir>/run.json`` (logging/runinfo.py): the target and layout, for watchers."""
+        p, r = self.cfg.parallelism, self.cfg.recover
+        write_run_info(
+            self.run_dir,
+            {
+                "run": self.cfg.general.run or self.run_dir.name,
+                "target_step": self.target_step,
+                "train_steps": self.cfg.tokens.train_steps,
+                "start_step": self.start_step,
+                "dp": p.dp,
+                "tp": p.tp,
+                "pp": p.pp,
+                "dp_shard": p.dp_shard,
+                "replica_size": p.replica_size,
+                "B": self.B,
+                "recover": r.mode if r.enabled else "plain",
+                "rejoin": r.rejoin.mode,
+                "started_at": time.time(),
+            },
+        )
+
     def _write_benchmark_row(self, step_times_s: list[float]) -> None:
         """Append this run's throughput row to ``general.benchmark_csv_path`` (logging rank). A row
         that cannot be written is reported, not fatal: the training it measures is done."""
@@ -371,6 +403,7 @@ class DistributedTrainer:
             self.metrics = None
         self.run_logger.finish()
         self.run_logger = RunLogger()
+        self._stop_exporter()
         self.progress.close()
         self.progress = Progress(0, enabled=False)
         self._history.clear()
@@ -381,6 +414,15 @@ class DistributedTrainer:
             self.cfg.logging.wandb, self.run_dir, run_name_for_config(self.cfg), self.cfg
         )
         self.progress = Progress(self.cfg.tokens.train_steps)
+        port = self.cfg.logging.prometheus_port
+        if port is not None and self.exporter is None:
+            # Replays what the run directory holds: the endpoint moves with the logging role.
+            self.exporter = RunExporter.start(self.run_dir, port)
+
+    def _stop_exporter(self) -> None:
+        if self.exporter is not None:
+            self.exporter.close()
+            self.exporter = None
 
     def _log(self, r: StepResult) -> None:
         """Every rank keeps the records of recent steps; the logging rank writes them. A rank that
@@ -408,6 +450,7 @@ class DistributedTrainer:
         self._history.append(record)
         del self._history[:-HISTORY_STEPS]
         if not self.dp_mode.is_logger():
+            self._stop_exporter()  # the role moved: the port is the new logger's
             return
         self.dp_mode.check_member()
         if self.metrics is None:
@@ -415,6 +458,8 @@ class DistributedTrainer:
         for rec in self._history:
             self.metrics.write(rec)  # skips steps already in the file
             self.run_logger.log_step(rec)  # likewise
+        if self.exporter is not None:
+            self.exporter.observe_step(record)
         self.progress.update(record)
         if not self.progress.enabled and r.step % max(self.cfg.logging.iteration_step_info_interval, 1) == 0:
             print(
@@ -427,6 +472,7 @@ class DistributedTrainer:
     def close(self) -> None:
         self.progress.close()
         self.run_logger.finish()
+        self._stop_exporter()
         if self.metrics is not None:
             self.metrics.close()
         self.engine.close()

@@ -398,6 +398,10 @@ class LoggingArgs:
     iteration_step_info_interval: int = 1
     # Weights & Biases: {project, entity, group, mode}; mode defaults to offline without an API key.
     wandb: WandbArgs | None = None
+    # Prometheus: the logging rank serves the run's metrics over HTTP on this port (null: off; 0: a
+    # free port the system picks). Where it is served, which moves with the logging role, is written
+    # to <run_dir>/prometheus_targets.json (see logging/prometheus.py).
+    prometheus_port: int | None = None
 
 
 @dataclass

@@ -173,6 +173,11 @@ def validate_config(cfg: Config, check_paths: bool = True) -> None:
             "logging.iteration_step_info_interval must be >= 1 (print every that many steps), "
             f"got {cfg.logging.iteration_step_info_interval}"
         )
+    port = cfg.logging.prometheus_port
+    if port is not None and not 0 <= port <= 65535:
+        raise ConfigError(
+            f"logging.prometheus_port must be a TCP port 1-65535, 0 (any free port) or null (off), got {port}"
+        )
     _validate_profiler(cfg)
     _check_fixed(FIXED_FIELDS, cfg)
 

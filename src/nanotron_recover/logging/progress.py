@@ -1,6 +1,6 @@
 """A one-line live progress display for a terminal, silent everywhere else.
 
-On a TTY each update rewrites one line in place (``\\r``), e.g.::
+On a TTY each update rewrites one line in place (a carriage return, drawn through rich), e.g.::
 
     step 120/1000  loss 3.4812  12.4k tok/s  replicas 3/4  ETA 2m05s
 
@@ -13,6 +13,10 @@ Two ways to feed it: ``update(record)`` with a trainer metrics record (step, los
 replicas), or ``update(n, **fields)`` to advance ``n`` units and show any fields, for
 preprocessing or benchmarks. ``write(text)`` prints a message line above the live one (and
 prints it plainly when quiet: only the live line is suppressed).
+
+The line is a ``rich`` text written by a ``rich`` console on the stream: plain characters and a
+carriage return, with styles only when the stream is a real terminal (a file descriptor that is a
+TTY), so what a test or a pipe forced on receives is the text itself.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
+
+from rich.console import Console
+from rich.control import Control
+from rich.segment import ControlType
+from rich.text import Text
 
 ENV_VAR = "NANOTRON_RECOVER_PROGRESS"
 
@@ -37,6 +46,14 @@ def _default_enabled(stream: TextIO) -> bool:
     try:
         return bool(isatty and isatty())
     except ValueError:  # a closed stream
+        return False
+
+
+def _real_terminal(stream: TextIO) -> bool:
+    """Whether ``stream`` is a terminal device (not an object that only says so)."""
+    try:
+        return os.isatty(stream.fileno())
+    except (AttributeError, OSError, ValueError):
         return False
 
 
@@ -93,6 +110,15 @@ class Progress:
         self._done0 = 0
         self._last_draw = -float("inf")
         self._width = 0  # length of the line on screen, to blank what a shorter line leaves
+        self._console = Console(
+            file=self.stream,
+            force_terminal=True,
+            color_system="auto" if _real_terminal(self.stream) else None,
+            highlight=False,
+            markup=False,
+            emoji=False,
+            soft_wrap=True,  # never wrapped by rich: the line is cut to the terminal's width below
+        )
 
     # -- feeding ---------------------------------------------------------------------------
     def update(self, record: Mapping[str, Any] | int = 1, /, **fields: Any) -> None:
@@ -153,14 +179,32 @@ class Progress:
         self._last_draw = now
         self._draw(self.line())
 
+    def _styled(self, text: str) -> Text:
+        styled = Text(text)
+        styled.stylize("bold", 0, len(text.split("  ", 1)[0]))  # the count
+        eta = text.rfind("ETA ")
+        if eta >= 0:
+            styled.stylize("dim", eta)
+        return styled
+
     def _draw(self, text: str) -> None:
-        # A line longer than the terminal wraps, and \r then only returns to its last row.
+        # A line longer than the terminal wraps, and a carriage return then only returns to its
+        # last row: cut it to the terminal's width, and blank what a longer previous line left.
         columns = shutil.get_terminal_size(fallback=(120, 24)).columns
-        text = text[: max(columns - 1, 10)]
-        pad = " " * max(self._width - len(text), 0)
-        self.stream.write("\r" + text + pad)
+        line = self._styled(text)
+        line.truncate(max(columns - 1, 10), overflow="crop")
+        width = line.cell_len
+        line.pad_right(max(self._width - width, 0))
+        self._console.control(Control(ControlType.CARRIAGE_RETURN))
+        self._console.print(line, end="")
         self.stream.flush()
-        self._width = len(text)
+        self._width = width
+
+    def _blank(self) -> None:
+        self._console.control(Control(ControlType.CARRIAGE_RETURN))
+        self._console.print(" " * self._width, end="")
+        self._console.control(Control(ControlType.CARRIAGE_RETURN))
+        self.stream.flush()
 
     def write(self, text: str, file: TextIO | None = None) -> None:
         """Print ``text`` as a line of its own to ``file`` (default: this stream) above the live
@@ -170,8 +214,7 @@ class Progress:
             out.write(text + "\n")
             out.flush()
             return
-        self.stream.write("\r" + " " * self._width + "\r")
-        self.stream.flush()
+        self._blank()
         out.write(text + "\n")
         out.flush()
         self._width = 0
@@ -181,7 +224,7 @@ class Progress:
         """Draw the final state and end the line; idempotent."""
         if self.enabled and self._width:
             self._draw(self.line())
-            self.stream.write("\n")
+            self._console.print()
             self.stream.flush()
         self._width = 0
         self.enabled = False

@@ -1163,6 +1163,18 @@ def test_model_size_and_logging_interval_ranges(override: str, message: str):
     assert tiny_error(override) == message
 
 
+def test_prometheus_port():
+    assert tiny().logging.prometheus_port is None  # off unless asked for
+    assert tiny("logging.prometheus_port=9464").logging.prometheus_port == 9464
+    assert tiny("logging.prometheus_port=0").logging.prometheus_port == 0
+    for bad in ("-1", "65536"):
+        assert tiny_error(f"logging.prometheus_port={bad}") == (
+            f"logging.prometheus_port must be a TCP port 1-65535, 0 (any free port) or null (off), got {bad}"
+        )
+    assert "prometheus_port" in tiny_error("logging.prometheus_port=true")
+    assert "prometheus_port" in tiny_error("logging.prometheus_port=http")
+
+
 # -- --set overrides -------------------------------------------------------------------------------
 def test_override_nested_scalar_keeps_the_rest_of_the_section():
     data = load_yaml(TINY)
