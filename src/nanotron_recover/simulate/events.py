@@ -347,7 +347,7 @@ def _forward(
             stale = 0
             if tf > compute_end and reduce_end > compute_end:
                 done = (tf - compute_end) / (reduce_end - compute_end)
-                stale = min(wl.buckets, math.floor(done * wl.buckets) + 1)
+                stale = min(wl.buckets, math.floor(done * wl.buckets + 1e-9) + 1)
             # Faults known by then surface together: one repair round for all of them.
             batch = [(fault, tf, victim)]
             while c.timed and (c.timed[0].time_s or 0.0) + c.detect_s(c.timed[0]) <= surfaced:

@@ -504,3 +504,40 @@ def test_the_reduction_term_against_the_measured_reduction():
     # The whole reduction: -11% at 50M; at 10M the fitted transport is too fast (-32%).
     assert abs(rows[(50_000_000, "ours_s")]["error"]) < 0.15
     assert -0.40 < rows[(10_000_000, "ours_s")]["error"] < -0.20
+
+
+def test_the_papers_metric_is_tokens_over_the_gpu_seconds_held():
+    from nanotron_recover.simulate.report import schedule_row
+
+    fault = [Fault(step=3, replica=3)]
+    fwd = simulate(workload(), PROFILE, FORWARD, fault, steps=6)
+    ckpt = simulate(workload(), PROFILE, CKPT, fault, steps=6, interval=2)
+    tf = fwd.faults[0].time_s
+    held = 4 * tf + 3 * (fwd.wall_s - tf)  # 4 replicas until the fault, 3 after it
+    row = schedule_row(fwd, 6, 1, fwd)
+    assert row.tokens_per_s_per_gpu == pytest.approx(6000 / held)
+    assert row.gpu_hours == pytest.approx(held / 3600) and row.final_replicas == 3
+    crow = schedule_row(ckpt, 6, 1, fwd)
+    assert crow.tokens_per_s_per_gpu == pytest.approx(6000 / (4 * ckpt.wall_s))  # it holds all 4
+    assert crow.ratio_vs_forward == pytest.approx(held / (4 * ckpt.wall_s))
+    assert crow.stall_max_s == pytest.approx(ckpt.faults[0].stall_s)
+
+
+def test_cli_places_a_fault_inside_the_reduction(tmp_path):
+    out = _cli(
+        "--intervals",
+        "16",
+        "--fault-phase",
+        "reduce",
+        "--fault-at",
+        "0.5",
+        "--json",
+        str(tmp_path / "s.json"),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "at 50% of the step's reduction" in out.stdout and "tokens/s per GPU held" in out.stdout
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert {f["phase"] for f in data["faults"]} == {"reduce"}
+    forward = next(r for r in data["runs"] if r["run"] == "forward-16")
+    assert all(f["stale_buckets"] == 66 for f in forward["faults"])  # 130 buckets, half + the one in flight
+    assert data["schedule_steps"] == 5 * 33 and len(data["schedule"]) == 2
