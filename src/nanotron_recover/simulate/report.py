@@ -36,7 +36,7 @@ from .constants import format_constants, get_profile, parse_overrides
 from .events import CKPT, FORWARD, REJOIN, Fault, Run, every_k_steps, mtbf_faults, simulate
 from .workload import Workload, build_workload
 
-# The paper's 512-A100 figures as the issue states them (LLaMA-7B on C4, a replica group failing
+# The paper's 512-A100 figures (LLaMA-7B on C4, a replica group failing
 # every 5 steps until 32 replicas are gone); "~" where the figure is read approximately.
 PAPER = {
     "stall_per_fault_s": {FORWARD: "~10", f"{CKPT}-2": "~30", f"{CKPT}-16": "~180", f"{CKPT}-64": ">600"},
