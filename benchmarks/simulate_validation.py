@@ -14,7 +14,11 @@ The default run validates: it runs ``benchmarks/faults.py --quick`` into a tempo
 reads a ``faults.json`` given with ``--from-json``), simulates the same schedule with the
 ``this-machine`` profile and writes ``benchmarks/results/simulate_validation.{json,md}``: effective
 throughput and stall per fault, predicted vs measured, and the error, for forward recovery and for
-checkpoint-restart every 2, 16 and 64 steps. Target: every error within 25%.
+checkpoint-restart every 2, 16 and 64 steps. It also compares the model with the committed
+``faults_paper.json`` (the paper-like schedule: 40 steps of 16 x 256-token micro-batches) and the
+forward-recovery reduction term with ``reduction.json`` (``benchmarks/reduction.py``). Each quantity
+is held to its own bound (``nanotron_recover.simulate.validation.TOLERANCES``); the report gives the
+largest error of each, and says where the model misses.
 
     python benchmarks/simulate_validation.py --calibrate         # about 3 minutes on 2 cores
     python benchmarks/simulate_validation.py                     # runs faults.py --quick (~2 min)
@@ -299,6 +303,11 @@ def main() -> int:
     rows = validation.compare(measured)
     committed = json.loads((RESULTS / "faults.json").read_text())
     committed_rows = validation.compare(committed)
+    paper_like = json.loads((RESULTS / "faults_paper.json").read_text())
+    paper_rows = validation.compare(paper_like)
+    reduction = json.loads((RESULTS / "reduction.json").read_text())
+    reduction_rows = validation.reduction_rows(reduction)
+    sm_fit = validation.fit_sm_bandwidth(reduction)
     machine = machine_info()
     columns = ["run", "quantity", "measured", "predicted", "error"]
 
@@ -317,8 +326,24 @@ def main() -> int:
             ],
         )
 
+    def bounds(rs: list[dict], measurement: str) -> list[str]:
+        worst = validation.worst_by_quantity(rs, measurement)
+        limits = validation.TOLERANCES[measurement]
+        table = markdown_table(
+            ["quantity", "largest error", "bound"],
+            [[q, f"{worst[q]:.1%}", f"{limits[q]:.0%}"] for q in validation.QUANTITIES],
+        )
+        skipped = [
+            f"- not held to a bound: {run} {q}, {why}."
+            for (run, q), why in validation.UNCHECKED.get(measurement, {}).items()
+        ]
+        return table + ([""] + skipped if skipped else [])
+
     worst = max(abs(r["error"]) for r in rows)
     worst_committed = max(abs(r["error"]) for r in committed_rows)
+    paper_stall = next(r for r in paper_rows if r["run"] == "recover" and r["quantity"] == "mean_stall_s")
+    paper_walls = [r["error"] for r in paper_rows if r["quantity"] == "wall_s"]
+    red = {(r["params"], r["quantity"]): r for r in reduction_rows}
     lines = [
         "# Fault simulator vs this machine",
         "",
@@ -338,13 +363,64 @@ def main() -> int:
         "",
         *table(rows),
         "",
-        f"Largest error: {worst:.1%} (target: within 25%).",
+        *bounds(rows, "faults"),
         "",
         "## Against the committed `benchmarks/results/faults.json` (what `tests/unit/simulate/test_simulate.py` checks)",
         "",
         *table(committed_rows),
         "",
-        f"Largest error: {worst_committed:.1%}.",
+        *bounds(committed_rows, "faults"),
+        "",
+        "## Against the committed `benchmarks/results/faults_paper.json` (the paper-like schedule)",
+        "",
+        "4 replicas, 40 steps of 16 x 256-token micro-batches (about 0.5 s a step), a replica killed "
+        "every 5 steps until half are gone; the model runs the same config (`overrides` of the file).",
+        "",
+        *table(paper_rows),
+        "",
+        *bounds(paper_rows, "faults_paper"),
+        "",
+        "These bounds are the model's present error rounded up (they catch a change that makes it "
+        "worse), not a target it was built to meet.",
+        "",
+        "Where the model misses: its micro-batch. The MFU is calibrated on 1 x 128-token micro-batches "
+        "(`--calibrate`); at 16 x 256 tokens the measured steps are faster than that MFU says, so the "
+        f"model's wall times are {min(paper_walls):+.0%} to {max(paper_walls):+.0%} and its forward "
+        f"stall, which is the redone micro-batch, is {paper_stall['predicted']:.2f} s against "
+        f"{paper_stall['measured']:.2f} s measured. Checkpoint-restart's stall per fault (relaunch, "
+        "start-up, recompute) is within 8%.",
+        "",
+        "## The forward-recovery reduction against `benchmarks/results/reduction.json`",
+        "",
+        "4 ranks on 2 cores, fp32 gradients in 25 MiB buckets plus the bookkeeping vector; seconds "
+        "per step's reduction (the slowest rank, median of 15). The model: each bucket's snapshot "
+        "(a host copy at `host_memcpy_bw`), then the ring all-reduce (`2 (W-1)/W` of the bucket over "
+        "the sm transport, `(W-1)/W` summed at `cpu_sum_bw`), one bucket at a time, every rank "
+        "running at half speed (4 ranks, 2 cores). `host_memcpy_bw` and `cpu_sum_bw` are measured "
+        "apart (`python -m nanotron_recover.simulate.constants --measure-host`); the sm bandwidth, "
+        f"{sm_fit / 1e9:.2f} GB/s per rank, is fitted to the 50M row's bare per-bucket `Allreduce`: "
+        "that row checks the bucket code's own cost, not the transport.",
+        "",
+        *markdown_table(
+            ["parameters", "quantity", "measured s", "predicted s", "error"],
+            [
+                [
+                    f"{r['params'] / 1e6:.0f}M",
+                    r["quantity"],
+                    f"{r['measured']:.4f}",
+                    f"{r['predicted']:.4f}",
+                    f"{r['error']:+.1%}",
+                ]
+                for r in reduction_rows
+            ],
+        ),
+        "",
+        "The snapshots (`ours_other_s`) are predicted within "
+        f"{max(abs(red[(p, 'ours_other_s')]['error']) for p in (10_000_000, 50_000_000)):.0%} at both "
+        f"sizes; the whole reduction within {abs(red[(50_000_000, 'ours_s')]['error']):.0%} at 50M "
+        f"and {red[(10_000_000, 'ours_s')]['error']:+.0%} at 10M, where the fitted transport is too "
+        "fast: smaller buckets (a 14 MB tail, a 128-byte bookkeeping bucket) pay per-message costs "
+        "that the per-byte fit does not carry.",
     ]
     keep = (
         "run",
@@ -373,9 +449,19 @@ def main() -> int:
         "max_abs_error": worst,
         "committed_faults_json_rows": committed_rows,
         "committed_max_abs_error": worst_committed,
+        "tolerances": validation.TOLERANCES,
+        "worst_by_quantity": {
+            "faults": validation.worst_by_quantity(committed_rows, "faults"),
+            "faults_paper": validation.worst_by_quantity(paper_rows, "faults_paper"),
+        },
+        "faults_paper_rows": paper_rows,
+        "reduction_rows": reduction_rows,
+        "sm_bandwidth_fit": sm_fit,
     }
     write_report(out, "simulate_validation", data, lines)
-    return 0 if max(worst, worst_committed) <= validation.TOLERANCE else 1
+    bad = validation.out_of_bounds(rows, "faults") + validation.out_of_bounds(committed_rows, "faults")
+    bad += validation.out_of_bounds(paper_rows, "faults_paper")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -28,6 +28,10 @@ from dataclasses import dataclass, replace
 MEASURED_CALIBRATE = "measured here: python benchmarks/simulate_validation.py --calibrate"
 MEASURED_RECOVERY = "measured here: python benchmarks/recovery.py (results/recovery.json)"
 MEASURED_REJOIN = "measured here: python benchmarks/rejoin.py (results/rejoin.json)"
+MEASURED_HOST_BW = (
+    "measured here: python -m nanotron_recover.simulate.constants --measure-host (one thread, "
+    "25 MiB float32 buffers, best of 15)"
+)
 SET_ON_COMMAND_LINE = "set on the command line (--set-constant)"
 
 
@@ -88,7 +92,27 @@ MEANINGS: dict[str, tuple[str, str]] = {
     "hbm_bw": ("B/s", "device memory bandwidth (the optimizer step is memory-bound)"),
     "dp_latency_ft_s": (
         "s",
-        "fixed cost per step of the forward-recovery reduction (MPI buckets, gate, agree)",
+        "fixed cost per step of the forward-recovery path besides its buckets (gate, agree)",
+    ),
+    "grad_staging": (
+        "0/1",
+        "1: gradients live on the device and each bucket is copied to host memory, reduced by MPI "
+        "and copied back (the Open MPI wheel has no CUDA support); 0: they are in host memory",
+    ),
+    "staging_pinned": ("0/1", "1: the host staging buffers are pinned; 0: pageable (the code's .cpu())"),
+    "copy_bw_pinned": ("B/s", "device<->host copy of one rank from/to pinned host memory"),
+    "copy_bw_pageable": ("B/s", "device<->host copy of one rank from/to pageable host memory"),
+    "host_memcpy_bw": ("B/s", "one core copying host memory (a host bucket's snapshot)"),
+    "cpu_sum_bw": ("B/s", "one core summing float32 into host memory (MPI_SUM), bytes of the result"),
+    "mpi_transport_rdma": ("0/1", "the forward-recovery MPI transport: 1 btl/uct (RDMA), 0 btl/tcp"),
+    "mpi_bw_rdma": ("B/s", "one rank's share of the network through btl/uct (efficiency included)"),
+    "mpi_bw_tcp": ("B/s", "one rank's share of the network through btl/tcp (efficiency included)"),
+    "mpi_latency_rdma_s": ("s", "one MPI message's latency through btl/uct"),
+    "mpi_latency_tcp_s": ("s", "one MPI message's latency through btl/tcp"),
+    "reduce_pipeline_depth": (
+        "buckets",
+        "buckets in flight at once in the forward-recovery reduction (1: one bucket at a time, its "
+        "snapshot, copies and all-reduce one after the other, as the code does)",
     ),
     "dp_latency_plain_s": ("s", "fixed cost per step of the plain all-reduce (gloo on CPU, NCCL on GPU)"),
     "detect_crash_s": ("s", "a crashed process to the survivors seeing it in MPI"),
@@ -141,6 +165,19 @@ CALIBRATION = {
     "relaunch_s": -0.23,
     "save_fixed_s": 0.021,
 }
+# One core of this machine (python -m nanotron_recover.simulate.constants --measure-host), and the
+# bandwidth of Open MPI's sm transport per rank fitted to the bare per-bucket Allreduce of
+# benchmarks/reduction.py (nanotron_recover.simulate.validation.fit_sm_bandwidth).
+HOST = {
+    "host_memcpy_bw": 12.2e9,
+    "cpu_sum_bw": 15.2e9,
+    "mpi_bw_sm": 4.13e9,
+}
+FITTED_SM = (
+    "fitted here: 4 ranks' bare per-bucket MPI Allreduce of 50M parameters in results/reduction.json "
+    "(validation.fit_sm_bandwidth; cpu_sum_bw measured apart); the bucket code's own terms are then "
+    "checked against the same file"
+)
 # FLOPs of one tiny-LLaMA micro-batch (configs/tiny_cpu.yaml), to turn the measured micro-batch time
 # into an MFU: 6 * 139,584 parameters * 128 tokens + 12 * 2 layers * 64 * 64 * 128 tokens.
 TINY_MICROBATCH_FLOPS = 6 * 139_584 * 128 + 12 * 2 * 64 * 64 * 128
@@ -169,10 +206,50 @@ A100_512 = Profile(
             "link_efficiency": (0.7, "assumed: collectives typically reach 70-80% of the link (nccl-tests)"),
             "hbm_bw": (1.555e12, "datasheet: NVIDIA A100 40GB, 1,555 GB/s HBM2"),
             "dp_latency_ft_s": (
-                0.05,
-                "assumed: ~135 bucket all-reduces over MPI at 64 replicas, gate and agree; "
-                "14 ms fitted here with 4 CPU ranks (this-machine)",
+                0.01,
+                "assumed: the gate (a barrier inside the replica) and the ULFM agree over 512 ranks; "
+                "the buckets are modelled apart (the agree took 0.14 ms at 4 ranks here, "
+                "results/reduction.json)",
             ),
+            "grad_staging": (
+                1,
+                "the code: buckets.py copies a CUDA bucket to host memory (.cpu()) before "
+                "comm.allreduce_ and back after it; the Open MPI wheel is built without CUDA",
+            ),
+            "staging_pinned": (
+                0,
+                "the code: Tensor.cpu() returns pageable memory, a fresh buffer per bucket",
+            ),
+            "copy_bw_pinned": (
+                25e9,
+                "datasheet: PCIe Gen4 x16, 32 GB/s per direction; ~25 GB/s reached from pinned memory "
+                "(assumed, as stage_bw)",
+            ),
+            "copy_bw_pageable": (
+                6e9,
+                "assumed: a pageable copy goes through the driver's pinned bounce buffer plus a CPU copy, "
+                "into pages .cpu() has just allocated (NVIDIA, 'How to Optimize Data Transfers in CUDA "
+                "C/C++': pageable well below pinned); about a quarter of pinned",
+            ),
+            "host_memcpy_bw": (
+                10e9,
+                "assumed: one core of an A100 host streaming a copy (12 GB/s measured here)",
+            ),
+            "cpu_sum_bw": (10e9, "assumed: one core's streaming float32 add (15 GB/s measured here)"),
+            "mpi_transport_rdma": (
+                1,
+                "assumed: Open MPI picks btl/uct on InfiniBand (the wheel ships it; under ULFM only the "
+                "ob1 PML with btl tcp/uct/sm is supported, Open MPI 5 docs, features/ulfm)",
+            ),
+            "mpi_bw_rdma": (8.75e9, "derived: inter_node_bw / devices_per_node x link_efficiency"),
+            "mpi_bw_tcp": (
+                2.5e9,
+                "assumed: btl/tcp over IPoIB or Ethernet, ~10 GB/s per node with several streams, "
+                "shared by the node's 4 ranks",
+            ),
+            "mpi_latency_rdma_s": (5e-6, "assumed: ob1 over uct, a few microseconds per message"),
+            "mpi_latency_tcp_s": (30e-6, "assumed: a TCP message between nodes, 20-50 microseconds"),
+            "reduce_pipeline_depth": (1, "the code: buckets.py reduces one bucket at a time"),
             "dp_latency_plain_s": (0.02, "assumed: NCCL all-reduce latency, bucketed"),
             "detect_crash_s": (
                 CALIBRATION["detect_crash_s"],
@@ -253,8 +330,21 @@ THIS_MACHINE = Profile(
             "hbm_bw": (1e10, "assumed: CPU memory; the tiny model's optimizer step is negligible"),
             "dp_latency_ft_s": (
                 C["dp_latency_ft_s"],
-                MEASURED_CALIBRATE + " (fitted to the steady step times)",
+                MEASURED_CALIBRATE + " (fitted to the steady step times; the tiny model's one bucket, "
+                "modelled apart, adds 0.5 ms to it)",
             ),
+            "grad_staging": (0, "gradients in host memory: no device"),
+            "staging_pinned": (0, "the code (unused without staging)"),
+            "copy_bw_pinned": (1e10, "unused: no device"),
+            "copy_bw_pageable": (1e10, "unused: no device"),
+            "host_memcpy_bw": (HOST["host_memcpy_bw"], MEASURED_HOST_BW),
+            "cpu_sum_bw": (HOST["cpu_sum_bw"], MEASURED_HOST_BW),
+            "mpi_transport_rdma": (0, "one host: Open MPI's sm BTL, whichever transport is named"),
+            "mpi_bw_rdma": (HOST["mpi_bw_sm"], FITTED_SM),
+            "mpi_bw_tcp": (HOST["mpi_bw_sm"], FITTED_SM),
+            "mpi_latency_rdma_s": (0.0, "folded into the fitted sm bandwidth"),
+            "mpi_latency_tcp_s": (0.0, "folded into the fitted sm bandwidth"),
+            "reduce_pipeline_depth": (1, "the code: buckets.py reduces one bucket at a time"),
             "dp_latency_plain_s": (
                 C["dp_latency_plain_s"],
                 MEASURED_CALIBRATE + " (fitted to the steady step times)",
@@ -344,6 +434,30 @@ def format_constants(profile: Profile) -> str:
     return "\n".join(lines)
 
 
+def measure_host_bandwidth(numel: int = 25 * 2**18, repeats: int = 15) -> dict[str, float]:
+    """One core's copy and float32 add over ``numel`` floats (25 MiB by default), best of
+    ``repeats``: ``host_memcpy_bw`` and ``cpu_sum_bw`` in bytes/s (bytes of the destination)."""
+    import time
+
+    import numpy as np
+
+    a = np.random.default_rng(0).random(numel, dtype=np.float32)
+    b = np.empty_like(a)
+
+    def best(f: object) -> float:
+        t_min = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f()  # type: ignore[operator]
+            t_min = min(t_min, time.perf_counter() - t0)
+        return t_min
+
+    nbytes = a.nbytes
+    copy = best(lambda: np.copyto(b, a))
+    add = best(lambda: np.add(a, b, out=a))
+    return {"host_memcpy_bw": nbytes / copy, "cpu_sum_bw": nbytes / add}
+
+
 def measure_peak_flops(n: int = 256, repeats: int = 20) -> float:
     """Single-thread fp32 matmul rate of this machine, best of ``repeats`` (FLOP/s)."""
     import time
@@ -366,3 +480,6 @@ if __name__ == "__main__":
 
     if "--measure-peak" in sys.argv:
         print(f"peak_flops {measure_peak_flops():.3g}")
+    if "--measure-host" in sys.argv:
+        for name, value in measure_host_bandwidth().items():
+            print(f"{name} {value:.3g}")

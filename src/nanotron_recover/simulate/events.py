@@ -8,7 +8,8 @@ profile (:mod:`.constants`).
 
 **Fault schedules.** By step (``every k steps until n replicas are lost``, like
 ``benchmarks/faults.py``): fault ``i`` strikes replica ``W0 - i`` in step ``i*k``, at fraction ``at``
-of that step's compute (0: the forward pass of the first micro-batch), once; a relaunched job that
+of that step's compute (``phase="compute"``; 0: the forward pass of the first micro-batch) or of
+its cross-replica reduction (``phase="reduce"``: ``at`` of the buckets are reduced), once; a relaunched job that
 recomputes the step does not meet it again. By time (``MTBF`` per device, seeded): faults arrive as
 a Poisson process at rate ``devices / MTBF`` over the whole allocation, each on a random device; a
 fault on a device of a replica that forward recovery already dropped does not happen (thinning: the
@@ -23,6 +24,8 @@ failure surfaces at ``max(t_f + detect, end of their compute)``, ``detect`` bein
 
     repair   = repair_base_s + repair_per_log2_rank_s * log2(ranks)      (ULFM revoke/shrink/agree)
     redo     = compute_s(max extra micro-batches of a survivor)           (policy.repair's G_ext)
+    restore  = the torn buckets' snapshots copied back (a fault inside the reduction: the buckets
+               reduced or in flight when it struck; none for a fault in compute)
     reduce   = t_reduce(W - 1), redone whole: the buckets reduced before the failure are stale
 
 and the step commits after them. The extra micro-batches are exactly what
@@ -66,6 +69,7 @@ FORWARD = "forward"
 REJOIN = "forward+rejoin"
 CKPT = "ckpt-restart"
 MODES = (FORWARD, REJOIN, CKPT)
+FAULT_PHASES = (Phase.COMPUTE, Phase.REDUCE)
 
 
 @dataclass(frozen=True)
@@ -74,17 +78,29 @@ class Fault:
 
     step: int | None = None
     time_s: float | None = None
-    at: float = 0.0  # by step: where in the step's compute it strikes (0 = first micro-batch)
+    at: float = 0.0  # by step: where in the phase it strikes (compute: 0 = first micro-batch)
+    phase: str = Phase.COMPUTE  # by step: compute, or reduce (the cross-replica reduction)
     replica: int | None = None  # by step: the victim; None: the highest replica alive
     device: int | None = None  # by time: the device that fails (its replica is the victim)
     kind: str = Kind.CRASH  # crash (detected by the runtime) or hang (by the heartbeat timeout)
 
 
-def every_k_steps(k: int, until: int, replicas: int, at: float = 0.0, kind: str = Kind.CRASH) -> list[Fault]:
+def every_k_steps(
+    k: int,
+    until: int,
+    replicas: int,
+    at: float = 0.0,
+    kind: str = Kind.CRASH,
+    phase: str = Phase.COMPUTE,
+) -> list[Fault]:
     """Replica ``W0 - i`` fails in step ``i * k`` for ``i = 1..until`` (benchmarks/faults.py's rule)."""
     if k < 1 or until < 0 or until >= replicas:
         raise ValueError(f"every {k} steps until {until} of {replicas} replicas are lost: not possible")
-    return [Fault(step=i * k, at=at, replica=replicas - i, kind=kind) for i in range(1, until + 1)]
+    if phase not in FAULT_PHASES:
+        raise ValueError(f"a fault's phase is one of {FAULT_PHASES}, got {phase!r}")
+    return [
+        Fault(step=i * k, at=at, replica=replicas - i, kind=kind, phase=phase) for i in range(1, until + 1)
+    ]
 
 
 def mtbf_faults(
@@ -131,6 +147,7 @@ class FaultOutcome:
     stall_last_s: float = 0.0  # ckpt: ... to its *last* commit (restart.py's stall_s, faults.py reads it)
     recomputed_steps: int = 0
     extra_microbatches: int = 0  # forward: the most any survivor redid (G_ext)
+    stale_buckets: int = 0  # forward: torn buckets restored from their snapshots
     action: str = ""
     recovered: bool = True  # false: the run ended (its wall-time budget) before the fault was repaired
 
@@ -309,7 +326,10 @@ def _forward(
             fault: Fault | None = None
             tf = 0.0
             if sf is not None:
-                fault, tf = sf, t0 + sf.at * (compute_end - t0)
+                if sf.phase == Phase.REDUCE:
+                    fault, tf = sf, compute_end + sf.at * (reduce_end - compute_end)
+                else:
+                    fault, tf = sf, t0 + sf.at * (compute_end - t0)
                 c.fired_steps.add(step)
             else:
                 fault = c.next_timed(reduce_end)
@@ -323,6 +343,11 @@ def _forward(
             if plan is None:
                 plan = steady_plan(step - 1, wl.B, alive, wl.spares)  # type: ignore[arg-type]
             surfaced = max(tf + c.detect_s(fault), compute_end)
+            # Struck inside the reduction: the buckets reduced and the one in flight are torn.
+            stale = 0
+            if tf > compute_end and reduce_end > compute_end:
+                done = (tf - compute_end) / (reduce_end - compute_end)
+                stale = min(wl.buckets, math.floor(done * wl.buckets + 1e-9) + 1)
             # Faults known by then surface together: one repair round for all of them.
             batch = [(fault, tf, victim)]
             while c.timed and (c.timed[0].time_s or 0.0) + c.detect_s(c.timed[0]) <= surfaced:
@@ -350,9 +375,10 @@ def _forward(
             extra = max((len(ids) for ids in rep.extra.values()), default=0)
             for out in new:
                 out.extra_microbatches, out.action = extra, rep.action.value
+                out.stale_buckets = stale
             repaired = surfaced + c.repair_s(ranks_before)
-            c.event(repaired, "repaired", step, g_ext=rep.g_ext, action=rep.action.value)
-            compute_end = repaired + wl.compute_s(extra, len(alive))
+            c.event(repaired, "repaired", step, g_ext=rep.g_ext, action=rep.action.value, stale=stale)
+            compute_end = repaired + wl.restore_s(stale, len(alive)) + wl.compute_s(extra, len(alive))
             if rejoin:
                 for _, _, v in batch:
                     lost_in[v] = step
@@ -406,7 +432,8 @@ def _checkpoint_restart(
         fault: Fault | None = None
         tf = 0.0
         if sf is not None:
-            fault, tf = sf, t0 + sf.at * compute
+            into = compute + sf.at * (duration - compute) if sf.phase == Phase.REDUCE else sf.at * compute
+            fault, tf = sf, t0 + into
             c.fired_steps.add(step)
         else:
             fault = c.next_timed(t0 + duration)
@@ -490,6 +517,9 @@ def breakdown(wl: Workload, prof: Profile) -> dict[str, float]:
         "microbatch_stage_s": wl.stage_s,
         "reduce_ft_s": wl.reduce_s(w, forward=True),
         "reduce_plain_s": wl.reduce_s(w, forward=False),
+        "buckets": float(wl.buckets),
+        "restore_all_s": wl.restore_s(wl.buckets, w),
+        **{f"reduce_ft_{k}_s": v for k, v in (wl.ft.terms(w) if wl.ft else {}).items()},
         "detect_crash_s": prof.v("detect_crash_s"),
         "detect_hang_s": wl.heartbeat_timeout_s,
         "repair_s": c.repair_s(wl.ranks),

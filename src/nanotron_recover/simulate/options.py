@@ -22,7 +22,13 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random faults")
     parser.add_argument("--fault-kind", choices=[Kind.CRASH.value, Kind.HANG.value], default=Kind.CRASH.value)
     parser.add_argument(
-        "--fault-at", type=float, default=0.0, help="where in the step a fault strikes, 0..1 of compute"
+        "--fault-at", type=float, default=0.0, help="where in the phase a fault strikes, 0..1 of it"
+    )
+    parser.add_argument(
+        "--fault-phase",
+        choices=["compute", "reduce"],
+        default="compute",
+        help="the phase a fault strikes in: the step's compute, or its cross-replica reduction",
     )
     parser.add_argument("--intervals", default="2,16,64", help="checkpoint intervals to compare")
     parser.add_argument(

@@ -12,6 +12,12 @@ needs for ``--steps`` steps (``--budget-s`` or ``--budget-gpu-hours`` set it: th
 - late throughput: the same over the last quarter of the budget ("after successive failures");
 - tokens in the same wall time and the ratio to forward recovery at the same ``N``.
 
+Beside these job-level figures, the paper's own metric: *effective throughput per GPU in use over
+the whole schedule* (:class:`ScheduleRow`): every run carried through every step of the fault
+schedule (by default until the last scheduled fault's replica is gone and ``--every`` more steps
+are done, for the paper's schedule down to 32 replicas), its tokens over the GPU-seconds it held
+(forward recovery releases a lost replica's GPUs, checkpoint-restart holds its allocation).
+
 With the ``a100-512`` profile the paper's figures are printed beside the model's. ``--plot PATH``
 draws standing tokens and effective throughput over time for every run.
 """
@@ -30,7 +36,7 @@ from .constants import format_constants, get_profile, parse_overrides
 from .events import CKPT, FORWARD, REJOIN, Fault, Run, every_k_steps, mtbf_faults, simulate
 from .workload import Workload, build_workload
 
-# The paper's 512-A100 figures as the issue states them (LLaMA-7B on C4, a replica group failing
+# The paper's 512-A100 figures (LLaMA-7B on C4, a replica group failing
 # every 5 steps until 32 replicas are gone); "~" where the figure is read approximately.
 PAPER = {
     "stall_per_fault_s": {FORWARD: "~10", f"{CKPT}-2": "~30", f"{CKPT}-16": "~180", f"{CKPT}-64": ">600"},
@@ -61,6 +67,51 @@ class Row:
     tokens_same_device_hours: int = 0  # at the budget's device-hours *consumed* (forward releases GPUs)
     ratio_same_device_hours: float = 1.0
     paper_stall: str = ""
+
+
+@dataclass
+class ScheduleRow:
+    """One run carried through the whole fault schedule: the paper's effective throughput."""
+
+    run: str
+    mode: str
+    interval: int
+    steps: int
+    wall_s: float
+    gpu_hours: float  # GPU-hours held over the run (alive replicas x their GPUs)
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float  # per GPU held: the paper's effective throughput
+    final_replicas: int
+    ratio_vs_forward: float  # per-GPU throughput over forward recovery's at the same N
+    stall_mean_s: float = 0.0
+    stall_max_s: float = 0.0
+
+
+def schedule_row(run: Run, steps: int, width: int, forward: Run | None) -> ScheduleRow:
+    """``run``'s tokens over the GPU-seconds it held from its start to its end."""
+    tokens = steps * run.tokens_per_step
+    held = run.device_s_at(run.wall_s, width)
+    per_gpu = tokens / held if held > 0 else 0.0
+    if forward is None:
+        ratio = 1.0
+    else:
+        f_held = forward.device_s_at(forward.wall_s, width)
+        ratio = per_gpu / (tokens / f_held) if f_held > 0 and tokens > 0 else 1.0
+    stalls = [f.stall_s for f in run.faults]
+    return ScheduleRow(
+        stall_mean_s=sum(stalls) / len(stalls) if stalls else 0.0,
+        stall_max_s=max(stalls, default=0.0),
+        run=run.name,
+        mode=run.mode,
+        interval=run.interval,
+        steps=steps,
+        wall_s=run.wall_s,
+        gpu_hours=held / 3600.0,
+        tokens_per_s=tokens / run.wall_s,
+        tokens_per_s_per_gpu=per_gpu,
+        final_replicas=run.replicas[-1][1],
+        ratio_vs_forward=ratio,
+    )
 
 
 def summarize(run: Run, budget_s: float, forward: Run | None, width: int) -> Row:
@@ -108,6 +159,8 @@ class Simulation:
     runs: list[Run]
     rows: list[Row]
     paper: bool
+    steps: int = 0  # the whole schedule's steps
+    schedule: list[ScheduleRow] | None = None
 
 
 def make_faults(args: argparse.Namespace, wl: Workload, horizon_s: float) -> list[Fault]:
@@ -115,7 +168,8 @@ def make_faults(args: argparse.Namespace, wl: Workload, horizon_s: float) -> lis
     if args.mtbf_hours is not None:
         return mtbf_faults(args.mtbf_hours, wl.ranks, horizon_s, args.seed, args.fault_kind, args.until)
     until = args.until if args.until is not None else wl.replicas // 2
-    return every_k_steps(args.every, until, wl.replicas, args.fault_at, args.fault_kind)
+    phase = getattr(args, "fault_phase", "compute")
+    return every_k_steps(args.every, until, wl.replicas, args.fault_at, args.fault_kind, phase)
 
 
 def run_simulation(args: argparse.Namespace) -> Simulation:
@@ -143,6 +197,12 @@ def run_simulation(args: argparse.Namespace) -> Simulation:
     modes = [FORWARD, CKPT] + ([REJOIN] if args.rejoin else [])
     runs: list[Run] = []
     rows: list[Row] = []
+    schedule: list[ScheduleRow] = []
+    for n in intervals:
+        # The whole schedule, every run to its last step: the paper's per-GPU effective throughput.
+        whole = {m: simulate(wl, profile, m, faults, steps, n) for m in modes}
+        for m in modes:
+            schedule.append(schedule_row(whole[m], steps, wl.width, whole[FORWARD]))
     for n in intervals:
         # Past the budget too: a run that releases devices reaches the budget's device-hours later.
         by_mode = {m: simulate(wl, profile, m, faults, 10**9, n, until_s=2.5 * budget) for m in modes}
@@ -158,7 +218,9 @@ def run_simulation(args: argparse.Namespace) -> Simulation:
         and (args.until if args.until is not None else wl.replicas // 2) == 32
         and wl.replicas == 64
     )
-    return Simulation(profile.name, wl, faults, budget, runs, rows, paper=paper)
+    return Simulation(
+        profile.name, wl, faults, budget, runs, rows, paper=paper, steps=steps, schedule=schedule
+    )
 
 
 def format_rows(sim: Simulation) -> list[str]:
@@ -188,14 +250,36 @@ def format_rows(sim: Simulation) -> list[str]:
     return lines
 
 
+def format_schedule(sim: Simulation) -> list[str]:
+    """The paper's metric: every run over the whole schedule, tokens per second per GPU held."""
+    cols = ["run", "steps", "wall s", "stall/fault mean (max) s", "GPU-hours held", "tokens/s"]
+    cols += ["tokens/s per GPU held", "replicas at the end", "per GPU vs forward"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in sim.schedule or []:
+        cells = [
+            r.run,
+            str(r.steps),
+            f"{r.wall_s:,.0f}",
+            f"{r.stall_mean_s:.1f} ({r.stall_max_s:.1f})",
+            f"{r.gpu_hours:,.1f}",
+            f"{r.tokens_per_s:,.0f}",
+            f"{r.tokens_per_s_per_gpu:,.1f}",
+            str(r.final_replicas),
+            f"{r.ratio_vs_forward:.2f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def header(sim: Simulation) -> list[str]:
     wl = sim.workload
     kinds = sorted({f.kind for f in sim.faults})
     by_step = [f for f in sim.faults if f.step is not None]
     if by_step:
+        where = "reduction" if by_step[0].phase == "reduce" else "compute"
         sched = (
             f"a replica fails every {by_step[0].step} steps ({len(by_step)} faults, "
-            f"{'/'.join(kinds)}, at {by_step[0].at:.0%} of the step's compute)"
+            f"{'/'.join(kinds)}, at {by_step[0].at:.0%} of the step's {where})"
         )
     else:
         sched = f"{len(sim.faults)} random faults ({'/'.join(kinds)}) drawn over the run"
@@ -283,6 +367,8 @@ def to_json(sim: Simulation) -> dict:
         "budget_s": sim.budget_s,
         "faults": [asdict(f) for f in sim.faults],
         "rows": [asdict(r) for r in sim.rows],
+        "schedule_steps": sim.steps,
+        "schedule": [asdict(r) for r in sim.schedule or []],
         "runs": [
             {
                 "run": run.name,
@@ -313,6 +399,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise InputError(str(e)) from None
     print("\n".join(header(sim) + [""] + format_rows(sim)))
+    print(f"\nthe whole schedule ({sim.steps} steps), tokens per second per GPU held:\n")
+    print("\n".join(format_schedule(sim)))
     if sim.paper:
         print("\n" + "\n".join(paper_lines(sim)))
     if args.plot:

@@ -28,7 +28,21 @@ Cross-replica, the fp32 gradient slice of a rank, ``g`` bytes, is summed once at
     t_reduce(W) = 2 * (W - 1) / W * g / (bw_dp * link_efficiency) + dp_latency_{ft,plain}_s
 
 with ``bw_dp`` a node's network share per device (the intra-node link when the whole job is on one
-node), and the optimizer streams about 36 bytes per parameter of the rank through device memory (fp32
+node): that is the *plain* path (checkpoint-restart: NCCL on the device, gloo on a CPU). The
+*forward-recovery* path is what ``data_parallel/forward/buckets.py`` does, modelled by
+:class:`FtReduction`: the gradient buffer (and the bookkeeping vector) cut into buckets of
+``recover.bucket_size_mb``, each bucket of ``b`` bytes taking, one after the other,
+
+    snapshot  2 * b / hbm_bw (a device clone)  or  b / host_memcpy_bw (a host copy)
+    d2h       b / copy_bw                      (grad_staging: .cpu(); pinned or pageable)
+    allreduce 2 * (W - 1) / W * b / mpi_bw + 2 * (W - 1) * mpi_latency     ring over the network
+              + (W - 1) / W * b / cpu_sum_bw                                  MPI_SUM on one core
+    h2d       b / copy_bw                      (grad_staging: copied back)
+
+with ``mpi_bw``/``mpi_latency`` those of the transport (btl/uct or btl/tcp), plus
+``dp_latency_ft_s`` per step (gate, agree). With ``reduce_pipeline_depth = d`` buckets in flight,
+bucket ``i`` costs ``max(its longest stage, its sum / d)`` and the first one its whole sum (``d = 1``:
+the sum of every stage of every bucket, the code today). And the optimizer streams about 36 bytes per parameter of the rank through device memory (fp32
 master, gradient, two moments read and written; the bf16 copy written). When ``shared_cores`` is
 set (a CPU machine) and more ranks than cores are busy, everything runs ``ranks / cores`` times
 slower: the ranks time-share the cores.
@@ -45,6 +59,68 @@ from ..models.llama import count_parameters
 from .constants import Profile
 
 OPTIMIZER_BYTES_PER_PARAM = 36
+BOOKKEEPING_BYTES_PER_ENTRY = 8  # float64: per id a count and a loss, per replica two failure times
+
+
+@dataclass(frozen=True)
+class FtReduction:
+    """The forward-recovery reduction of one rank, bucket by bucket (see the module docstring)."""
+
+    buckets: tuple[int, ...]  # bytes of each bucket, in order (gradients, then bookkeeping)
+    snapshot_bw: float  # bytes/s of taking a bucket's snapshot (hbm_bw / 2 on a device)
+    copy_bw: float  # device<->host, each way; 0: no staging (gradients in host memory)
+    net_bw: float  # one rank's share of the MPI transport
+    net_latency_s: float  # one MPI message
+    sum_bw: float  # MPI_SUM on one core, bytes of the result
+    depth: int = 1  # buckets in flight
+
+    def stages(self, nbytes: int, replicas: int) -> dict[str, float]:
+        """The four stages of one bucket of ``nbytes`` over ``replicas`` replicas, in seconds."""
+        w = replicas
+        copy = nbytes / self.copy_bw if self.copy_bw > 0 else 0.0
+        if w > 1:
+            net = 2 * (w - 1) / w * nbytes / self.net_bw + 2 * (w - 1) * self.net_latency_s
+            cpu_sum = (w - 1) / w * nbytes / self.sum_bw
+        else:
+            net = cpu_sum = 0.0
+        return {
+            "snapshot": nbytes / self.snapshot_bw,
+            "d2h": copy,
+            "network": net,
+            "cpu_sum": cpu_sum,
+            "h2d": copy,
+        }
+
+    def terms(self, replicas: int) -> dict[str, float]:
+        """Each stage summed over the buckets (what a depth-1 reduction spends in it), in seconds."""
+        out = dict.fromkeys(("snapshot", "d2h", "network", "cpu_sum", "h2d"), 0.0)
+        for b in self.buckets:
+            for k, v in self.stages(b, replicas).items():
+                out[k] += v
+        return out
+
+    def time_s(self, replicas: int) -> float:
+        """The whole reduction: the first bucket's stages in full, then each bucket's bottleneck."""
+        total = 0.0
+        for i, b in enumerate(self.buckets):
+            st = self.stages(b, replicas)
+            # The all-reduce is one stage (its network and its sum run in the same MPI call).
+            parts = [st["snapshot"], st["d2h"], st["network"] + st["cpu_sum"], st["h2d"]]
+            whole = sum(parts)
+            total += whole if i == 0 else max(max(parts), whole / max(self.depth, 1))
+        return total
+
+    def restore_s(self, stale: int) -> float:
+        """Copying ``stale`` buckets' snapshots back (a torn reduction), the largest buckets first."""
+        return sum(sorted(self.buckets, reverse=True)[:stale]) / self.snapshot_bw
+
+
+def split_buckets(nbytes: int, bucket_bytes: int) -> tuple[int, ...]:
+    """``nbytes`` cut into buckets of ``bucket_bytes`` (the last one shorter), as buckets.py cuts it."""
+    if nbytes <= 0:
+        return ()
+    full, rest = divmod(nbytes, bucket_bytes)
+    return (bucket_bytes,) * full + ((rest,) if rest else ())
 
 
 @dataclass(frozen=True)
@@ -72,6 +148,7 @@ class Workload:
     rejoin_after_steps: int = 1
     rejoin_max_spawns: int = 16
     rejoin_max_failures: int = 3
+    ft: FtReduction | None = None  # None: the forward path is the ring formula (tests' round numbers)
 
     @property
     def ranks(self) -> int:
@@ -91,9 +168,24 @@ class Workload:
 
     def reduce_s(self, replicas: int, forward: bool) -> float:
         """The end-of-step cross-replica sum over ``replicas`` replicas, plus the optimizer step."""
-        ring = 2 * (replicas - 1) / replicas * self.grad_bytes_per_rank / self.dp_bw if replicas > 1 else 0.0
+        if forward and self.ft is not None:
+            ring = self.ft.time_s(replicas)
+        elif replicas > 1:
+            ring = 2 * (replicas - 1) / replicas * self.grad_bytes_per_rank / self.dp_bw
+        else:
+            ring = 0.0
         latency = self.dp_latency_ft_s if forward else self.dp_latency_plain_s
         return (ring + latency + self.optimizer_s) * self.contention(replicas)
+
+    def restore_s(self, stale: int, replicas: int) -> float:
+        """Forward recovery: restoring ``stale`` torn buckets from their snapshots."""
+        if self.ft is None or stale <= 0:
+            return 0.0
+        return self.ft.restore_s(stale) * self.contention(replicas)
+
+    @property
+    def buckets(self) -> int:
+        return len(self.ft.buckets) if self.ft is not None else 1
 
     def step_s(self, replicas: int, forward: bool) -> float:
         """A fault-free step with ``replicas`` replicas: the longest replica computes ceil(B/W)."""
@@ -131,6 +223,22 @@ def build_workload(cfg: Config, profile: Profile) -> Workload:
         pp_bw = intra if tp * pp <= per_node else node_share
         stage += 2 * act / pp_bw
     worst = plan_summary(cfg)["worst_stage"]
+    staging = v("grad_staging") > 0
+    rdma = v("mpi_transport_rdma") > 0
+    grad_elem = 4  # fp32 gradients (int64 in exact mode: the same bytes per bucket)
+    bucket_bytes = max(1, int(cfg.recover.bucket_size_mb * 2**20) // grad_elem) * grad_elem
+    book = (2 * cfg.microbatches_per_step + 2 * p.dp) * BOOKKEEPING_BYTES_PER_ENTRY
+    ft = FtReduction(
+        buckets=split_buckets(worst.grad_bytes, bucket_bytes) + split_buckets(book, bucket_bytes),
+        snapshot_bw=v("hbm_bw") / 2 if staging else v("host_memcpy_bw"),
+        copy_bw=(v("copy_bw_pinned") if v("staging_pinned") > 0 else v("copy_bw_pageable"))
+        if staging
+        else 0.0,
+        net_bw=v("mpi_bw_rdma") if rdma else v("mpi_bw_tcp"),
+        net_latency_s=v("mpi_latency_rdma_s") if rdma else v("mpi_latency_tcp_s"),
+        sum_bw=v("cpu_sum_bw"),
+        depth=max(int(v("reduce_pipeline_depth")), 1),
+    )
     state = worst.param_bytes + worst.master_bytes + worst.optimizer_bytes
     return Workload(
         replicas=p.dp,
@@ -154,4 +262,5 @@ def build_workload(cfg: Config, profile: Profile) -> Workload:
         rejoin_after_steps=cfg.recover.rejoin.after_steps,
         rejoin_max_spawns=cfg.recover.rejoin.max_spawns,
         rejoin_max_failures=cfg.recover.rejoin.max_failures_per_replica,
+        ft=ft,
     )

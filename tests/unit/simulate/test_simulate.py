@@ -20,6 +20,7 @@ from nanotron_recover.config import load_config
 from nanotron_recover.policy import repair, steady_plan
 from nanotron_recover.simulate import validation
 from nanotron_recover.simulate.constants import (
+    HOST,
     MEANINGS,
     PROFILES,
     SET_ON_COMMAND_LINE,
@@ -37,7 +38,13 @@ from nanotron_recover.simulate.events import (
     mtbf_faults,
     simulate,
 )
-from nanotron_recover.simulate.workload import Workload, build_workload, microbatch_flops
+from nanotron_recover.simulate.workload import (
+    FtReduction,
+    Workload,
+    build_workload,
+    microbatch_flops,
+    split_buckets,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 LLAMA7B = ROOT / "configs" / "llama7b_c4.yaml"
@@ -329,14 +336,28 @@ def test_cli_constants_and_bad_input():
 
 
 # -- against this machine ----------------------------------------------------------------------
-def test_this_machine_prediction_is_within_25_percent_of_faults_json():
-    measured = json.loads((ROOT / "benchmarks" / "results" / "faults.json").read_text())
+@pytest.mark.parametrize("measurement", ["faults", "faults_paper"])
+def test_this_machine_prediction_is_within_each_quantitys_bound(measurement):
+    measured = json.loads((ROOT / "benchmarks" / "results" / f"{measurement}.json").read_text())
     rows = validation.compare(measured)
     assert {r["run"] for r in rows} == {"recover", "ckpt-restart-2", "ckpt-restart-16", "ckpt-restart-64"}
-    checked = [r for r in rows if r["quantity"] in validation.QUANTITIES]
-    assert len(checked) == 8
-    bad = [r for r in checked if abs(r["error"]) > validation.TOLERANCE]
-    assert not bad, bad
+    assert len(rows) == 4 * len(validation.QUANTITIES)
+    assert not validation.out_of_bounds(rows, measurement)
+    worst = validation.worst_by_quantity(rows, measurement)
+    assert set(worst) == set(validation.QUANTITIES)
+
+
+def test_the_paper_like_measurement_is_modelled_with_its_own_micro_batch():
+    measured = json.loads((ROOT / "benchmarks" / "results" / "faults_paper.json").read_text())
+    cfg = validation.faults_config(4, 40, measured["overrides"])
+    assert (cfg.tokens.micro_batch_size, cfg.tokens.sequence_length) == (16, 256)
+    rows = {(r["run"], r["quantity"]): r for r in validation.compare(measured)}
+    # The miss the report states: the forward stall is the redone micro-batch, and the model's
+    # micro-batch at this size is too slow (predicted 10x the measured stall).
+    stall = rows[("recover", "mean_stall_s")]
+    assert ("recover", "mean_stall_s") in validation.UNCHECKED["faults_paper"]
+    assert stall["predicted"] > 5 * stall["measured"]
+    assert rows[("recover", "wall_s")]["error"] > 0.2  # the same slow micro-batch, 40 steps of it
 
 
 def test_device_hours_count_only_the_replicas_held():
@@ -357,3 +378,166 @@ def test_faults_that_surface_together_are_repaired_in_one_round():
     assert [f.extra_microbatches for f in run.faults] == [2, 2]
     assert run.step_s[1] == pytest.approx(2 + 0.2 + 2 + 0.5)
     assert repair(steady_plan(0, 8, range(4)), [2, 3]).g_ext == 2
+
+
+# -- the forward-recovery reduction, bucket by bucket --------------------------------------------
+# Round numbers: a 100-byte and a 50-byte bucket, 4 replicas.
+FT = FtReduction(
+    buckets=(100, 50), snapshot_bw=100.0, copy_bw=50.0, net_bw=10.0, net_latency_s=0.01, sum_bw=25.0
+)
+
+
+def test_a_bucket_is_snapshot_copy_out_allreduce_sum_copy_back():
+    st = FT.stages(100, 4)
+    assert st == pytest.approx(
+        {
+            "snapshot": 100 / 100,
+            "d2h": 100 / 50,
+            "network": 2 * 3 / 4 * 100 / 10 + 2 * 3 * 0.01,  # ring: 1.5 b over the link, 6 messages
+            "cpu_sum": 3 / 4 * 100 / 25,
+            "h2d": 100 / 50,
+        }
+    )
+    assert sum(st.values()) == pytest.approx(23.06)
+    assert sum(FT.stages(50, 4).values()) == pytest.approx(11.56)
+    assert FT.stages(100, 1)["network"] == FT.stages(100, 1)["cpu_sum"] == 0.0  # alone: nothing to sum
+
+
+def test_pipeline_depth_one_adds_every_stage_of_every_bucket():
+    assert FT.time_s(4) == pytest.approx(23.06 + 11.56)
+    assert FT.terms(4)["d2h"] == pytest.approx(3.0)
+    # Two buckets in flight: the first bucket whole, then the second's bottleneck, the all-reduce
+    # (7.56 s network + 1.5 s sum), over half its sum (5.78 s).
+    assert replace(FT, depth=2).time_s(4) == pytest.approx(23.06 + 9.06)
+    assert replace(FT, depth=100).time_s(4) == pytest.approx(23.06 + 9.06)
+    no_staging = replace(FT, copy_bw=0.0)
+    assert no_staging.time_s(4) == pytest.approx(23.06 + 11.56 - 2 * (2.0 + 1.0))
+    assert FT.restore_s(1) == pytest.approx(1.0) and FT.restore_s(2) == pytest.approx(1.5)
+
+
+def test_buckets_are_cut_as_buckets_py_cuts_them():
+    assert split_buckets(60, 25) == (25, 25, 10)
+    assert split_buckets(50, 25) == (25, 25)
+    assert split_buckets(0, 25) == ()
+
+
+def test_llama7b_reduction_charges_host_staging_bucket_by_bucket():
+    cfg = load_config(LLAMA7B, check_paths=False)
+    prof = get_profile("a100-512")
+    wl = build_workload(cfg, prof)
+    assert wl.ft is not None
+    grad = wl.grad_bytes_per_rank
+    bucket = 25 * 2**20
+    book = (2 * 8192 + 2 * 64) * 8
+    assert wl.ft.buckets == (bucket,) * (grad // bucket) + (grad % bucket, book)
+    assert wl.buckets == 130
+    total = grad + book
+    terms = wl.ft.terms(64)
+    assert terms["d2h"] == pytest.approx(total / 6e9) == pytest.approx(terms["h2d"])  # pageable
+    assert terms["snapshot"] == pytest.approx(2 * total / 1.555e12)  # a clone on the device
+    assert terms["cpu_sum"] == pytest.approx(63 / 64 * total / 10e9)
+    assert terms["network"] == pytest.approx(2 * 63 / 64 * total / 8.75e9 + 130 * 126 * 5e-6)
+    assert wl.reduce_s(64, forward=True) == pytest.approx(sum(terms.values()) + 0.01 + wl.optimizer_s)
+    # The plain path (NCCL on the device) keeps the ring over the network, no staging.
+    plain = 2 * 63 / 64 * grad / (50e9 / 4 * 0.7) + 0.02 + wl.optimizer_s
+    assert wl.reduce_s(64, forward=False) == pytest.approx(plain)
+    pinned = build_workload(cfg, prof.with_values({"staging_pinned": 1}))
+    assert pinned.ft.terms(64)["d2h"] == pytest.approx(total / 25e9)
+    tcp = build_workload(cfg, prof.with_values({"mpi_transport_rdma": 0}))
+    assert tcp.ft.terms(64)["network"] == pytest.approx(2 * 63 / 64 * total / 2.5e9 + 130 * 126 * 30e-6)
+    on_host = build_workload(cfg, prof.with_values({"grad_staging": 0}))
+    assert on_host.ft.terms(64)["d2h"] == 0.0
+    assert on_host.ft.terms(64)["snapshot"] == pytest.approx(total / 10e9)  # a host copy
+
+
+def _ft_workload() -> Workload:
+    """workload() with 4 buckets of 0.125 s each at 4 replicas (snapshot 0.1 s, all-reduce 0.025 s):
+    the reduction is still 0.5 s and a step 2.5 s."""
+    ft = FtReduction(
+        buckets=(1, 1, 1, 1), snapshot_bw=10.0, copy_bw=0.0, net_bw=120.0, net_latency_s=0.0, sum_bw=60.0
+    )
+    return workload(ft=ft, dp_latency_ft_s=0.0)
+
+
+def test_a_fault_inside_the_reduction_restores_the_torn_buckets():
+    wl = _ft_workload()
+    assert wl.reduce_s(4, forward=True) == pytest.approx(0.5)
+    at_3 = 4 * (0.1 + 2 * 2 / 3 / 120 + 2 / 3 / 60)  # 3 replicas: 4 x 0.12222 s
+    assert wl.reduce_s(3, forward=True) == pytest.approx(at_3)
+    fault = Fault(step=3, replica=3, phase="reduce", at=0.5)
+    run = simulate(wl, PROFILE, FORWARD, [fault], steps=3)
+    (f,) = run.faults
+    # Half the buckets reduced: buckets 0 and 1 done, bucket 2 in flight -> 3 torn. The fault at
+    # compute end + 0.25 s, seen 0.1 s later, repair 0.2 s, 3 snapshots copied back (0.3 s), the
+    # redone micro-batch (1 s), the reduction again at 3 replicas.
+    assert f.stale_buckets == 3
+    assert run.step_s[3] == pytest.approx(2.0 + 0.25 + 0.1 + 0.2 + 0.3 + 1.0 + at_3)
+    assert f.stall_s == pytest.approx(run.step_s[3] - 2.5)
+    early = simulate(wl, PROFILE, FORWARD, [Fault(step=3, replica=3)], steps=3)
+    assert early.faults[0].stale_buckets == 0
+    assert early.step_s[3] == pytest.approx(2.0 + 0.2 + 1.0 + at_3)
+    with pytest.raises(ValueError):
+        every_k_steps(5, 2, 4, phase="optimizer")
+    assert {f.phase for f in every_k_steps(5, 2, 4, phase="reduce")} == {"reduce"}
+
+
+def test_checkpoint_restart_loses_the_reduction_done_when_the_fault_strikes_in_it():
+    wl = _ft_workload()
+    run = simulate(wl, PROFILE, CKPT, [Fault(step=7, replica=3, phase="reduce", at=0.5)], 10, 4)
+    (f,) = run.faults
+    restart = 0.1 + 5.0 + 2.0
+    # Struck 2.25 s into step 7 (0.25 s of it left): steps 5, 6 and 7 run again after the restart.
+    assert f.stall_first_s == pytest.approx(restart + 3 * 2.5)
+    assert f.stall_s == pytest.approx(restart + 3 * 2.5 - 0.25)
+
+
+# -- the reduction against reduction.json ------------------------------------------------------
+def test_the_reduction_term_against_the_measured_reduction():
+    measured = json.loads((ROOT / "benchmarks" / "results" / "reduction.json").read_text())
+    # The sm bandwidth in the profile is the fit to this file's bare per-bucket all-reduce.
+    assert validation.fit_sm_bandwidth(measured) == pytest.approx(HOST["mpi_bw_sm"], rel=0.01)
+    rows = {(r["params"], r["quantity"]): r for r in validation.reduction_rows(measured)}
+    assert rows[(50_000_000, "bare_mpi_buckets_s")]["error"] == pytest.approx(0.0, abs=0.01)
+    # What the bucket code adds, the snapshot copies, is predicted within 10% at both sizes.
+    for params in (10_000_000, 50_000_000):
+        assert abs(rows[(params, "ours_other_s")]["error"]) < 0.10
+    # The whole reduction: -11% at 50M; at 10M the fitted transport is too fast (-32%).
+    assert abs(rows[(50_000_000, "ours_s")]["error"]) < 0.15
+    assert -0.40 < rows[(10_000_000, "ours_s")]["error"] < -0.20
+
+
+def test_the_papers_metric_is_tokens_over_the_gpu_seconds_held():
+    from nanotron_recover.simulate.report import schedule_row
+
+    fault = [Fault(step=3, replica=3)]
+    fwd = simulate(workload(), PROFILE, FORWARD, fault, steps=6)
+    ckpt = simulate(workload(), PROFILE, CKPT, fault, steps=6, interval=2)
+    tf = fwd.faults[0].time_s
+    held = 4 * tf + 3 * (fwd.wall_s - tf)  # 4 replicas until the fault, 3 after it
+    row = schedule_row(fwd, 6, 1, fwd)
+    assert row.tokens_per_s_per_gpu == pytest.approx(6000 / held)
+    assert row.gpu_hours == pytest.approx(held / 3600) and row.final_replicas == 3
+    crow = schedule_row(ckpt, 6, 1, fwd)
+    assert crow.tokens_per_s_per_gpu == pytest.approx(6000 / (4 * ckpt.wall_s))  # it holds all 4
+    assert crow.ratio_vs_forward == pytest.approx(held / (4 * ckpt.wall_s))
+    assert crow.stall_max_s == pytest.approx(ckpt.faults[0].stall_s)
+
+
+def test_cli_places_a_fault_inside_the_reduction(tmp_path):
+    out = _cli(
+        "--intervals",
+        "16",
+        "--fault-phase",
+        "reduce",
+        "--fault-at",
+        "0.5",
+        "--json",
+        str(tmp_path / "s.json"),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "at 50% of the step's reduction" in out.stdout and "tokens/s per GPU held" in out.stdout
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert {f["phase"] for f in data["faults"]} == {"reduce"}
+    forward = next(r for r in data["runs"] if r["run"] == "forward-16")
+    assert all(f["stale_buckets"] == 66 for f in forward["faults"])  # 130 buckets, half + the one in flight
+    assert data["schedule_steps"] == 5 * 33 and len(data["schedule"]) == 2
