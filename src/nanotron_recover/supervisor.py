@@ -31,7 +31,9 @@ checkpoint. When the answering hosts cannot hold every replica (a node lost and 
 is relaunched with the whole replicas that fit, down to ``recover.min_replicas``; the same ``B`` is
 shared by fewer replicas, as after an in-step repair. A relaunch happens only after the previous job committed a new step (a job that dies
 before that would die again) or lost one more host (a node lost while the job restarts), at most
-``recover.max_restarts`` times.
+``recover.max_restarts`` times. The one exception is a start: a job lost before it committed
+anything is started once more (a rank declared dead by mistake while busy nodes import, or a rank
+lost then, costs a start, not the run); a second such loss in a row ends the run.
 
 ``python -m nanotron_recover.supervisor supervise --run-dir D [--relaunches N] -- CMD...`` runs
 the supervisor around any command; the Slurm job script uses it that way.
@@ -399,6 +401,7 @@ def run_relaunching(
     clear_relaunch(run_dir)
     generation, before, launch_cmd = 0, last_committed_step(run_dir), cmd
     lost_before: list[str] = []
+    retried_start = False  # the last launch was a retried start (which is not retried again)
     while True:
         # A job lost with a node leaves steps (srun) that SIGTERM cannot end: no long waits for them.
         result = run_supervised(
@@ -427,10 +430,14 @@ def run_relaunching(
         # A job that dies before committing a new step would die again -- unless it died because
         # one more host was lost (a node lost while the job restarts): that is a new fault.
         newly_lost = [h for h in lost if h not in lost_before]
-        if after <= before and not newly_lost:
+        # A start is retried once: a rank declared dead by mistake while the job starts (busy
+        # nodes, a slow file system), or one lost then, ends a job that has no step to lose yet.
+        start_retry = after <= before and not newly_lost and not retried_start
+        if after <= before and not newly_lost and not start_retry:
             since = "launch" if generation == 0 else "last relaunch"
             log(f"not relaunching: no step committed since the {since}, and no host lost since")
             return report(result, run_dir, target_step=target_step, log=log)
+        retried_start = start_retry
         lost_before = lost
         width = ""
         if lost:
@@ -451,6 +458,8 @@ def run_relaunching(
         )
         write_relaunch(run_dir, relaunch)
         what = f"hosts {', '.join(lost)} lost" if lost else "every replica lost"
+        if start_retry:
+            what += ", before a first commit: its start is retried once"
         ended = "without an outcome" if result.outcome is None else "with every replica lost"
         log(
             f"the job ended {ended} after step {after} ({what}): relaunching it "

@@ -82,20 +82,38 @@ def test_a_job_lost_after_new_steps_is_relaunched_as_the_next_generation(tmp_pat
 
 @pytest.mark.parametrize("case", ["no_new_step", "no_relaunch_left"])
 def test_no_relaunch_without_progress_or_past_the_limit(tmp_path, case):
-    """A job that dies before committing a new step would die again; the limit is a limit."""
+    """A job that dies before committing a new step would die again (its start is retried once,
+    then no more); the limit is a limit."""
     body = "commit(n)\n" if case == "no_relaunch_left" else "pass\n"
-    result = supervise(tmp_path, fake_job(tmp_path, body), relaunches=1)
+    result = supervise(tmp_path, fake_job(tmp_path, body), relaunches=1 if case == "no_relaunch_left" else 3)
     assert result.returncode == 1
     launches, why = (
         (2, "recover.max_restarts=1 relaunches used")
         if case == "no_relaunch_left"
-        else (1, "no step committed since the launch, and no host lost since")
+        else (2, "no step committed since the last relaunch, and no host lost since")
     )
     assert (tmp_path / "launches").read_text() == str(launches)
     assert f"not relaunching: {why}" in result.stderr
     assert "every replica lost: the job ended without an outcome record" in result.stderr
     outcome = read_outcome(tmp_path / "run")
     assert outcome is not None and (outcome["kind"], outcome["exit_code"]) == ("all_replicas_lost", 1)
+
+
+def test_a_job_lost_at_its_start_is_started_once_more(tmp_path):
+    """A rank declared dead by mistake while the job starts (busy nodes) ends a job that has no step
+    to lose: its start is retried once, and the run completes."""
+    body = (
+        "if n == 1:\n    pass\n"  # lost before its first commit
+        "else:\n    commit(1)\n"
+        "    write_outcome(run_dir, status='completed', last_step=1, target_step=1, exit_code=0)\n"
+    )
+    result = supervise(tmp_path, fake_job(tmp_path, body), relaunches=2)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "launches").read_text() == "2"
+    assert (
+        "(every replica lost, before a first commit: its start is retried once): relaunching it"
+        in result.stderr
+    )
 
 
 class ScriptedHosts(HostPlan):
