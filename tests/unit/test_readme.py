@@ -265,3 +265,39 @@ def test_the_install_lines_name_an_extra_and_a_torch_the_package_accepts():
             assert extra in extras, f"{line}: pyproject.toml has no extra {extra!r}"
         for pin in re.findall(r"torch==([\w.]+)", line):
             assert torch_dep.specifier.contains(pin), f"{line}: torch {pin} is outside {torch_dep}"
+
+
+# -- the recover: tables ----------------------------------------------------------------------------
+def table_fields(heading: str) -> set[str]:
+    """The field names in the first column of the README table headed ``| `<heading>` field |``."""
+    match = re.search(rf"^\| `{re.escape(heading)}` field \|.*?\n((?:\|.*\n)+)", README, re.M)
+    assert match, f"no README table for {heading}"
+    fields = set()
+    for row in match.group(1).splitlines()[1:]:  # after the |---| line
+        first = row.split("|")[1]
+        fields.update(re.findall(r"`(\w+)`", first))
+    return fields
+
+
+@pytest.mark.parametrize(
+    ("heading", "args"),
+    [("recover:", "RecoverArgs"), ("recover.rejoin:", "RejoinArgs")],
+)
+def test_every_recover_field_is_in_its_readme_table_and_no_other(heading: str, args: str):
+    """The README's tables of ``recover:`` and ``recover.rejoin:`` name every field the config
+    accepts there, and only those (``snapshot`` names its own fields inline)."""
+    import dataclasses
+
+    from nanotron_recover import config
+
+    fields = {f.name for f in dataclasses.fields(getattr(config, args))}
+    assert table_fields(heading) == fields
+
+
+def test_every_snapshot_field_is_named_in_the_recover_table():
+    import dataclasses
+
+    from nanotron_recover.config import SnapshotArgs
+
+    row = next(line for line in README.splitlines() if line.startswith("| `snapshot` |"))
+    assert {f.name for f in dataclasses.fields(SnapshotArgs)} <= set(re.findall(r"`(\w+)`", row))
