@@ -34,7 +34,7 @@ from ..config import Config, load_config
 from ..demo import tiny_config_path
 from .constants import Profile, get_profile
 from .events import CKPT, FORWARD, Fault, Run, simulate
-from .workload import FtReduction, build_workload, split_buckets
+from .workload import FtReduction, build_workload
 
 QUANTITIES = ("wall_s", "effective_tokens_per_s_per_rank", "mean_stall_s")
 # The bound each quantity is held to (|predicted / measured - 1|), per measurement; a quantity of
@@ -139,21 +139,8 @@ def worst_by_quantity(rows: list[dict], measurement: str) -> dict[str, float]:
 def reduction_model(params: int, dp: int, bucket_mb: float, profile: Profile) -> FtReduction:
     """The forward-recovery reduction reduction.py times: ``params`` fp32 gradients and the
     ``2B + 2W`` float64 bookkeeping vector (``B = W = dp``) in ``bucket_mb`` buckets, on ``profile``."""
-    v = profile.v
     bucket_bytes = max(1, int(bucket_mb * 2**20) // 4) * 4
-    staging = v("grad_staging") > 0
-    rdma = v("mpi_transport_rdma") > 0
-    return FtReduction(
-        buckets=split_buckets(params * 4, bucket_bytes) + split_buckets(4 * dp * 8, bucket_bytes),
-        snapshot_bw=v("hbm_bw") / 2 if staging else v("host_memcpy_bw"),
-        copy_bw=(v("copy_bw_pinned") if v("staging_pinned") > 0 else v("copy_bw_pageable"))
-        if staging
-        else 0.0,
-        net_bw=v("mpi_bw_rdma") if rdma else v("mpi_bw_tcp"),
-        net_latency_s=v("mpi_latency_rdma_s") if rdma else v("mpi_latency_tcp_s"),
-        sum_bw=v("cpu_sum_bw"),
-        depth=max(int(v("reduce_pipeline_depth")), 1),
-    )
+    return FtReduction.on(profile, params * 4, 4 * dp * 8, bucket_bytes)
 
 
 def _contention(profile: Profile, ranks: int) -> float:

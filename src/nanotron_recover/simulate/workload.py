@@ -74,6 +74,24 @@ class FtReduction:
     sum_bw: float  # MPI_SUM on one core, bytes of the result
     depth: int = 1  # buckets in flight
 
+    @classmethod
+    def on(cls, profile: Profile, grad_bytes: int, book_bytes: int, bucket_bytes: int) -> FtReduction:
+        """The reduction of ``grad_bytes`` of gradients and ``book_bytes`` of bookkeeping, cut into
+        ``bucket_bytes`` buckets, with ``profile``'s staging, copy, transport and CPU constants."""
+        v = profile.v
+        staging = v("grad_staging") > 0
+        rdma = v("mpi_transport_rdma") > 0
+        pinned = v("staging_pinned") > 0
+        return cls(
+            buckets=split_buckets(grad_bytes, bucket_bytes) + split_buckets(book_bytes, bucket_bytes),
+            snapshot_bw=v("hbm_bw") / 2 if staging else v("host_memcpy_bw"),
+            copy_bw=(v("copy_bw_pinned") if pinned else v("copy_bw_pageable")) if staging else 0.0,
+            net_bw=v("mpi_bw_rdma") if rdma else v("mpi_bw_tcp"),
+            net_latency_s=v("mpi_latency_rdma_s") if rdma else v("mpi_latency_tcp_s"),
+            sum_bw=v("cpu_sum_bw"),
+            depth=max(int(v("reduce_pipeline_depth")), 1),
+        )
+
     def stages(self, nbytes: int, replicas: int) -> dict[str, float]:
         """The four stages of one bucket of ``nbytes`` over ``replicas`` replicas, in seconds."""
         w = replicas
@@ -223,22 +241,10 @@ def build_workload(cfg: Config, profile: Profile) -> Workload:
         pp_bw = intra if tp * pp <= per_node else node_share
         stage += 2 * act / pp_bw
     worst = plan_summary(cfg)["worst_stage"]
-    staging = v("grad_staging") > 0
-    rdma = v("mpi_transport_rdma") > 0
     grad_elem = 4  # fp32 gradients (int64 in exact mode: the same bytes per bucket)
     bucket_bytes = max(1, int(cfg.recover.bucket_size_mb * 2**20) // grad_elem) * grad_elem
     book = (2 * cfg.microbatches_per_step + 2 * p.dp) * BOOKKEEPING_BYTES_PER_ENTRY
-    ft = FtReduction(
-        buckets=split_buckets(worst.grad_bytes, bucket_bytes) + split_buckets(book, bucket_bytes),
-        snapshot_bw=v("hbm_bw") / 2 if staging else v("host_memcpy_bw"),
-        copy_bw=(v("copy_bw_pinned") if v("staging_pinned") > 0 else v("copy_bw_pageable"))
-        if staging
-        else 0.0,
-        net_bw=v("mpi_bw_rdma") if rdma else v("mpi_bw_tcp"),
-        net_latency_s=v("mpi_latency_rdma_s") if rdma else v("mpi_latency_tcp_s"),
-        sum_bw=v("cpu_sum_bw"),
-        depth=max(int(v("reduce_pipeline_depth")), 1),
-    )
+    ft = FtReduction.on(profile, worst.grad_bytes, book, bucket_bytes)
     state = worst.param_bytes + worst.master_bytes + worst.optimizer_bytes
     return Workload(
         replicas=p.dp,
