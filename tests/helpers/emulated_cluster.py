@@ -79,7 +79,6 @@ from tests.helpers.slurm_local.cluster import (  # noqa: E402
     _sbin,
     _terminate,
     ensure_installed,
-    free_port,
 )
 
 MARKER = "# nanotron-recover emulated cluster"
@@ -383,22 +382,9 @@ class EmulatedCluster(LocalSlurm):
             for n in self.nodes
         ]
         lines = [
-            f"ClusterName=nremu{self.tag}",
-            f"SlurmctldHost={self.node}({self.bridge_address})",
-            f"SlurmctldPort={free_port()}",
-            f"SlurmdPort={free_port()}",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            f"AuthInfo=socket={r / 'munge' / 'munge.socket'}",
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "JobAcctGatherType=jobacct_gather/none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            # A node that comes back (power_on) returns to service by itself.
-            "ReturnToService=2",
+            # slurmctld is reached on the bridge; a node that comes back (power_on) returns to
+            # service by itself.
+            *self._daemon_conf(f"nremu{self.tag}", f"{self.node}({self.bridge_address})"),
             f"SlurmdTimeout={self.slurmd_timeout_s}",
             # The nodes share this machine's cores: take CPUs/RealMemory from here, not from probing.
             "SlurmdParameters=config_overrides",

@@ -42,7 +42,8 @@ if comm.Get_rank() == 0:
     print("RESULT", total, " ".join(hosts), flush=True)
 """
 
-# Allreduces until `after` of them passed on a shrunk communicator (or `limit` seconds); each rank
+# Allreduces until `after` of them passed on a shrunk communicator (every survivor counts the same
+# ones, so they leave together; past `limit` seconds a rank exits with 3); each rank
 # first publishes "pid hostname" in OUT/rank<r> so that the test can find it on its node.
 ULFM_LOOP = """
 import os, socket, sys, time
@@ -74,8 +75,11 @@ while True:
         shrinks += 1
         continue
     since += 1 if shrinks else 0
-    if since >= after or time.monotonic() - start > limit:
+    if since >= after:  # the same count on every survivor: they leave the loop together
         break
+    if time.monotonic() - start > limit:  # a rank alone here would leave the others waiting
+        print(f"TIMEOUT rank={rank} after {limit}s", flush=True)
+        os._exit(3)
     time.sleep(0.1)
 print(f"DONE rank={rank} host={host} size={comm.Get_size()} total={total} shrinks={shrinks}", flush=True)
 comm.Barrier()

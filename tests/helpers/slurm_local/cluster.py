@@ -148,21 +148,7 @@ class LocalSlurm:
             (self.root / sub).mkdir()
         r = self.root
         lines = [
-            "ClusterName=nrtest",
-            f"SlurmctldHost={self.node}",
-            f"SlurmctldPort={free_port()}",
-            f"SlurmdPort={free_port()}",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            f"AuthInfo=socket={r / 'munge' / 'munge.socket'}",
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "JobAcctGatherType=jobacct_gather/none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "ReturnToService=2",
+            *self._daemon_conf("nrtest", self.node),
             "MpiDefault=none",
             "MinJobAge=600",
             f"StateSaveLocation={r / 'state'}",
@@ -177,6 +163,29 @@ class LocalSlurm:
         ]
         # No cgroup.conf on purpose: with these plugins slurmd starts without one.
         self.conf.write_text("\n".join(lines) + "\n")
+
+    def _daemon_conf(self, cluster: str, controller: str) -> list[str]:
+        """The slurm.conf lines every test cluster shares: its name, the controller's host and two
+        free ports, munge (this cluster's own socket), plugins that need no cgroups, root daemons,
+        and nodes that come back returning to service by themselves."""
+        assert self.root is not None
+        return [
+            f"ClusterName={cluster}",
+            f"SlurmctldHost={controller}",
+            f"SlurmctldPort={free_port()}",
+            f"SlurmdPort={free_port()}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={self.root / 'munge' / 'munge.socket'}",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "ReturnToService=2",
+        ]
 
     def _start_daemon(self, name: str) -> None:
         assert self.root is not None
