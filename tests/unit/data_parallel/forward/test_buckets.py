@@ -90,6 +90,85 @@ def test_failure_during_the_redo_restores_the_new_contribution():
     assert torch.equal(local, torch.arange(10.0) + 5.0 + 100.0)
 
 
+class FakeWindowDP(FakeDP):
+    """``FakeDP`` with ``allreduce_many_``: several buffers in flight, each summed when it
+    completes (in order). The completion numbered ``fail_at`` fails and tears every buffer still in
+    flight, as a failure under several ``Iallreduce`` does."""
+
+    def __init__(self, peers: list[torch.Tensor], fail_at: int | None = None):
+        super().__init__(peers, fail_at)
+        self.most_in_flight = 0
+
+    def allreduce_many_(self, bufs, epoch: int, done=None, window: int = 4) -> None:
+        assert epoch == self.epoch, "reduction tagged with a stale epoch"
+        in_flight: list[tuple[int, torch.Tensor]] = []
+
+        def complete() -> None:
+            k, buf = in_flight[0]
+            if self.fail_at is not None and self.calls == self.fail_at:
+                self.fail_at = None
+                for _, torn in in_flight:
+                    torn.fill_(1e9)
+                self.epoch += 1
+                self.peers = self.peers[:-1]
+                raise WorldChangedStub()
+            in_flight.pop(0)
+            self.calls += 1
+            start = self.offsets[buf.data_ptr()]
+            for p in self.peers:
+                buf += p[start : start + buf.numel()]
+            if done is not None:
+                done(k)
+
+        for k, buf in enumerate(bufs):
+            while len(in_flight) >= window:
+                complete()
+            in_flight.append((k, buf))
+            self.most_in_flight = max(self.most_in_flight, len(in_flight))
+        while in_flight:
+            complete()
+
+
+def make_windowed(n: int = 10, bucket: int = 3, fail_at: int | None = None, window: int = 3):
+    local = torch.arange(n, dtype=torch.float32)
+    red = BucketedReduction([local], bucket, window=window)
+    comm = FakeWindowDP([torch.full((n,), 100.0), torch.full((n,), 1000.0)], fail_at)
+    comm.offsets = {b.view.data_ptr(): i * bucket for i, b in enumerate(red.buckets)}
+    return local, red, comm
+
+
+def test_windowed_reduction_sums_tags_and_keeps_the_window():
+    local, red, comm = make_windowed(window=3)
+    seen: list[int] = []
+    assert red.reduce(comm, 0, before_bucket=seen.append) == 10 * 4
+    assert torch.equal(local, torch.arange(10.0) + 1100.0)
+    assert seen == [0, 1, 2, 3] and comm.most_in_flight == 3
+    assert all(b.epoch == 0 for b in red.buckets) and red.stale(0) == []
+    assert red.reduce(comm, 0) == 0
+
+
+def test_windowed_torn_reduction_is_restored_and_redone_in_the_new_epoch():
+    # Bucket 0 completes; bucket 1 fails while 1, 2 and 3 are in flight.
+    local, red, comm = make_windowed(fail_at=1, window=3)
+    with pytest.raises(WorldChangedStub):
+        red.reduce(comm, 0)
+    assert red.buckets[0].epoch == 0 and all(b.epoch is None for b in red.buckets[1:])
+    assert red.stale(1) == [0, 1, 2, 3]
+    red.restore(1)
+    assert torch.equal(local, torch.arange(10.0)), "restore gives back the local contribution"
+    local += 5.0
+    red.reduce(comm, 1)
+    assert torch.equal(local, torch.arange(10.0) + 5.0 + 100.0), "only the surviving peer is summed"
+    assert all(b.epoch == 1 for b in red.buckets)
+
+
+def test_a_window_of_one_is_the_blocking_path():
+    local, red, comm = make_windowed(window=1)
+    red.reduce(comm, 0)
+    assert torch.equal(local, torch.arange(10.0) + 1100.0)
+    assert comm.most_in_flight == 0, "allreduce_many_ not used"
+
+
 def test_reset_forgets_tags_for_the_next_step():
     local, red, comm = make()
     red.reduce(comm, 0)
