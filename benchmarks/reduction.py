@@ -8,12 +8,9 @@ repetition after the other:
 - ``ours``: the project's reduction path, driven as ``data_parallel/forward/step.py`` drives it: a
   :class:`BucketedReduction` over the gradient buffer and the bookkeeping vector (``2B + 2W``
   float64, ``B = W = dp``) cut into ``--bucket-mb`` buckets, ``reset()`` then ``reduce()`` over the
-  fault-tolerant communicator in the current epoch (``allreduce_many_``, up to ``--window`` buckets
-  in flight), snapshots included. The
+  fault-tolerant communicator's ``allreduce_`` in the current epoch, snapshots included. The
   time spent inside ``allreduce_`` is reported beside it (the rest is the bucket code's own cost:
   snapshots, copies); the commit agree that follows in a step is timed apart and not included;
-- ``ours, one at a time``: the same with ``window=1``, one blocking ``allreduce_`` per bucket (what
-  ``ours`` is with ``--window 1``), so the two are compared under the same load;
 - ``bare MPI``: one ``MPI.COMM_WORLD.Allreduce`` (in place, SUM) of the same gradient buffer;
 - ``bare MPI, buckets``: the same ``Allreduce`` calls as ours makes (one per bucket, the
   bookkeeping vector's included), in place, without the bucket code: what ours costs beyond MPI
@@ -91,8 +88,7 @@ def worker(args: argparse.Namespace) -> None:
     B = dp  # one micro-batch per replica
     book = torch.zeros(2 * B + 2 * dp, dtype=torch.float64)  # as StepTransaction.attach
     numel = max(1, int(args.bucket_mb * 2**20) // grads.element_size())
-    reduction = BucketedReduction([grads, book], numel, window=args.window)
-    one_at_a_time = BucketedReduction([grads, book], numel, window=1)  # each bucket a blocking call
+    reduction = BucketedReduction([grads, book], numel)
 
     class TimedComm:
         """``ftc`` with the seconds spent inside its ``allreduce_`` counted."""
@@ -104,48 +100,18 @@ def worker(args: argparse.Namespace) -> None:
             ftc.allreduce_(buf, epoch)
             TimedComm.inside += time.perf_counter() - t0
 
-        def allreduce_many_(self, bufs: Any, epoch: int, done: Any = None, window: int = 4) -> None:
-            # Several buckets in flight: the time spent producing the next bucket (its snapshot)
-            # and in ``done`` runs inside the call, so it is taken out of ``inside``.
-            outside = 0.0
-
-            def produced() -> Any:
-                nonlocal outside
-                it = iter(bufs)
-                while True:
-                    t = time.perf_counter()
-                    buf = next(it, None)
-                    outside += time.perf_counter() - t
-                    if buf is None:
-                        return
-                    yield buf
-
-            def finished(k: int) -> None:
-                nonlocal outside
-                t = time.perf_counter()
-                if done is not None:
-                    done(k)
-                outside += time.perf_counter() - t
-
-            t0 = time.perf_counter()
-            ftc.allreduce_many_(produced(), epoch, finished, window)
-            TimedComm.inside += time.perf_counter() - t0 - outside
-
     comm = TimedComm()
 
-    def ours(red: BucketedReduction = reduction) -> dict[str, float]:
-        red.reset()  # a new step (StepTransaction.run)
+    def ours() -> dict[str, float]:
+        reduction.reset()  # a new step (StepTransaction.run)
         book.zero_()  # _fill_bookkeeping: this replica's id counted once
         book[rank] = 1.0
         TimedComm.inside = 0.0
         t0 = time.perf_counter()
-        red.reduce(comm, ftc.epoch, before_bucket=lambda b: None)
+        reduction.reduce(comm, ftc.epoch, before_bucket=lambda b: None)
         t1 = time.perf_counter()
         ftc.agree(True)  # the commit, timed apart
         return {"s": t1 - t0, "allreduce_s": TimedComm.inside, "agree_s": time.perf_counter() - t1}
-
-    def ours_blocking() -> dict[str, float]:
-        return ours(one_at_a_time)
 
     def bare() -> dict[str, float]:
         t0 = time.perf_counter()
@@ -163,13 +129,7 @@ def worker(args: argparse.Namespace) -> None:
         dist.all_reduce(grads)
         return {"s": time.perf_counter() - t0}
 
-    variants = {
-        "ours": ours,
-        "ours_blocking": ours_blocking,
-        "bare_mpi": bare,
-        "bare_mpi_buckets": bare_buckets,
-        "gloo": gloo,
-    }
+    variants = {"ours": ours, "bare_mpi": bare, "bare_mpi_buckets": bare_buckets, "gloo": gloo}
     times: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     for rep in range(args.reps + 1):
         for name, run in variants.items():
@@ -205,7 +165,6 @@ def run_size(n: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     out = tmp / f"{n}.json"
     program = [sys.executable, str(Path(__file__).resolve()), "--worker", "--params", str(n)]
     program += ["--reps", str(args.reps), "--bucket-mb", str(args.bucket_mb), "--json", str(out)]
-    program += ["--window", str(args.window)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(mpirun_command(args.dp, program, heartbeat=HEARTBEAT), check=True, timeout=900, env=env)
     raw = json.loads(out.read_text())
@@ -213,7 +172,6 @@ def run_size(n: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         raise SystemExit(f"{n} parameters: the reduced gradients differ from the expected sum")
     nbytes = 4 * n
     ours, bare, bucketed, gloo = raw["ours"], raw["bare_mpi"], raw["bare_mpi_buckets"], raw["gloo"]
-    blocking = raw["ours_blocking"]
     return {
         "params": n,
         "dp": args.dp,
@@ -223,8 +181,6 @@ def run_size(n: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "ours_allreduce_s": ours["allreduce_s"],
         "ours_other_s": ours["s"] - ours["allreduce_s"],
         "agree_s": ours["agree_s"],
-        "ours_blocking_s": blocking["s"],
-        "ours_blocking_allreduce_s": blocking["allreduce_s"],
         "bare_mpi_s": bare["s"],
         "bare_mpi_buckets_s": bucketed["s"],
         "gloo_s": gloo["s"],
@@ -232,9 +188,7 @@ def run_size(n: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "ratio_buckets": ours["s"] / bucketed["s"],
         "ours_gbps": nbytes / ours["s"] / 1e9,
         "bare_mpi_gbps": nbytes / bare["s"] / 1e9,
-        "reps_s": {
-            k: raw[k]["reps_s"] for k in ("ours", "ours_blocking", "bare_mpi", "bare_mpi_buckets", "gloo")
-        },
+        "reps_s": {k: raw[k]["reps_s"] for k in ("ours", "bare_mpi", "bare_mpi_buckets", "gloo")},
     }
 
 
@@ -245,17 +199,15 @@ def report(results: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
     lines += [
         f"{results['dp']} ranks under mpirun, one per replica; fp32 gradients, {results['bucket_mb']:g} MB "
         f"buckets; seconds per step's reduction, median of {results['reps']} repetitions (the slowest "
-        "rank of each). ours: the bucketed, snapshotted reduction over the fault-tolerant communicator, "
-        f"up to {results.get('window', 1)} buckets in flight (`inside allreduce`: the part spent in MPI; "
-        "the rest is the bucket code's own, snapshots and copies); ours, one at a time: the same with "
-        "one blocking `Allreduce` per bucket, measured in the same run; bare MPI: one "
+        "rank of each). ours: the bucketed, snapshotted reduction over the fault-tolerant communicator "
+        "(`inside allreduce`: the part spent in MPI; the rest is the bucket code's own); bare MPI: one "
         "in-place `Allreduce` of the buffer; bare MPI, buckets: the same in-place `Allreduce` calls as "
         "ours, one per bucket, without the bucket code; gloo: `torch.distributed.all_reduce`.",
         "",
     ]
     old = {r["params"]: r for r in (before or {}).get("runs", [])}
-    columns = ["parameters", "MB", "ours s", "inside allreduce s", "ours, one at a time s", "bare MPI s"]
-    columns += ["bare MPI, buckets s", "gloo s", "ours / bare", "ours / bare, buckets"]
+    columns = ["parameters", "MB", "ours s", "inside allreduce s", "bare MPI s", "bare MPI, buckets s"]
+    columns += ["gloo s", "ours / bare", "ours / bare, buckets"]
     if old:
         columns += ["ours s before", "ours / bare before"]
     rows = []
@@ -265,7 +217,6 @@ def report(results: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
             f"{r['bytes'] / 2**20:.0f}",
             f"{r['ours_s']:.3f}",
             f"{r['ours_allreduce_s']:.3f}",
-            f"{r['ours_blocking_s']:.3f}" if "ours_blocking_s" in r else "-",
             f"{r['bare_mpi_s']:.3f}",
             f"{r['bare_mpi_buckets_s']:.3f}",
             f"{r['gloo_s']:.3f}",
@@ -288,7 +239,6 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=4)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--bucket-mb", type=float, default=BUCKET_MB)
-    parser.add_argument("--window", type=int, default=4, help="buckets in flight at once (ours)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--before", type=Path, help="an earlier reduction.json to compare with")
     parser.add_argument("--code", default="", help="what code was measured (recorded in the JSON)")
@@ -306,7 +256,6 @@ def main() -> None:
         "dp": args.dp,
         "reps": args.reps,
         "bucket_mb": args.bucket_mb,
-        "window": args.window,
         "code": args.code,
     }
     with tempfile.TemporaryDirectory() as tmp:

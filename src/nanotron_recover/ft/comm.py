@@ -126,8 +126,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import numpy as np
@@ -136,7 +135,7 @@ from .failstop import fail_stop
 from .membership import Membership, shrink_world, split_derived
 from .processes import ProcessInfo, this_process
 from .topology import RankCoords, Topology
-from .ulfm import FAULT_ERROR_CLASSES, MPI, free_comm, is_fault, revoke_comm
+from .ulfm import FAULT_ERROR_CLASSES, MPI, free_comm, is_fault
 from .world import AllReplicasFailed, FTError, JoinFailed, JoinPlan, RecoveryResult, StaleEpoch, WorldChanged
 
 # Bits of the step agree. The agree is a bitwise AND, so a single rank that clears
@@ -172,27 +171,6 @@ def _as_numpy(buf: Any) -> np.ndarray:
     if not (arr.flags.c_contiguous and arr.flags.writeable):
         raise ValueError("allreduce_ needs a C-contiguous, writeable buffer (it reduces in place)")
     return arr
-
-
-def _is_revoked(comm: MPI.Comm) -> bool:
-    try:
-        return bool(comm.Is_revoked())
-    except MPI.Exception:
-        return False
-
-
-def _drain(comm: MPI.Comm, pending: deque[tuple[int, MPI.Request, np.ndarray]]) -> None:
-    """Complete every request in ``pending``: revoke ``comm`` (so none waits on a peer that will
-    never match it) and wait for each, whatever it ends with."""
-    if not pending:
-        return
-    revoke_comm(comm)
-    while pending:
-        _, request, _ = pending.popleft()
-        try:
-            request.Wait()
-        except MPI.Exception:
-            pass  # torn: the caller restores it from its snapshot
 
 
 class FaultTolerantComm:
@@ -473,68 +451,6 @@ class FaultTolerantComm:
                 raise
             result = self._recover("allreduce", detect_s=time.perf_counter() - t0, entry_agree=True)
             raise WorldChanged(result) from exc
-        finally:
-            self.in_ft_operation = False
-
-    def allreduce_many_(
-        self,
-        bufs: Iterable[Any],
-        epoch: int,
-        done: Callable[[int], None] | None = None,
-        window: int = 4,
-    ) -> None:
-        """In-place SUM of every buffer ``bufs`` yields, with up to ``window`` reductions in flight.
-
-        Each buffer is reduced by its own ``Iallreduce`` on the DP communicator of the world
-        ``epoch``; ``bufs`` is consumed lazily, so whatever produces the next buffer (a bucket's
-        snapshot copy) runs while the earlier ones are on the wire. ``done(k)`` is called, in
-        order, once buffer ``k`` (0-based) holds its sum; only then is it reduced.
-
-        Raises :class:`StaleEpoch` (without communicating) if ``epoch`` is not the current one. On a
-        process failure or revoke, every request still in flight is completed first (no buffer is
-        written to after this returns or raises), then :meth:`recover` runs and
-        :class:`WorldChanged` is raised: every buffer whose ``done`` was not called is torn, and
-        those already done hold sums of the old world; both must be restored from the caller's
-        snapshots. Any other exception (from ``bufs`` or ``done``) revokes the DP communicator
-        before it propagates, since peers may be waiting on this rank's requests.
-        """
-        self.check_open()
-        if epoch != self._epoch:
-            raise StaleEpoch(epoch, self._epoch)
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        comm = self._dp_comm
-        pending: deque[tuple[int, MPI.Request, np.ndarray]] = deque()
-
-        def complete_oldest() -> None:
-            k, request, _ = pending[0]
-            request.Wait()
-            pending.popleft()
-            if done is not None:
-                done(k)
-
-        t0 = time.perf_counter()
-        self.in_ft_operation = True
-        try:
-            for k, buf in enumerate(bufs):
-                arr = _as_numpy(buf)
-                while len(pending) >= window:
-                    complete_oldest()
-                pending.append((k, comm.Iallreduce(MPI.IN_PLACE, arr, op=MPI.SUM), arr))
-            while pending:
-                complete_oldest()
-        except MPI.Exception as exc:
-            # Open MPI 5's non-blocking collectives can end with ERR_OTHER on a revoked communicator
-            # (tests/integration/ft/test_nonblocking.py): the revoke is what counts.
-            if not (is_fault(exc) or _is_revoked(comm)):
-                _drain(comm, pending)
-                raise
-            _drain(comm, pending)
-            result = self._recover("allreduce", detect_s=time.perf_counter() - t0, entry_agree=True)
-            raise WorldChanged(result) from exc
-        except BaseException:
-            _drain(comm, pending)
-            raise
         finally:
             self.in_ft_operation = False
 

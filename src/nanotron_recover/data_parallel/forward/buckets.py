@@ -48,9 +48,6 @@ import torch
 
 from .streams import CudaStreams, Streams
 
-# Buckets in flight at once over a communicator that reduces several (``allreduce_many_``).
-WINDOW = 4
-
 
 @dataclass
 class Bucket:
@@ -103,11 +100,7 @@ class BucketedReduction:
     """
 
     def __init__(
-        self,
-        tensors: list[torch.Tensor],
-        bucket_numel: int,
-        streams: Streams | None = None,
-        window: int = WINDOW,
+        self, tensors: list[torch.Tensor], bucket_numel: int, streams: Streams | None = None
     ) -> None:
         if bucket_numel < 1:
             raise ValueError("bucket_numel must be >= 1")
@@ -117,52 +110,28 @@ class BucketedReduction:
             for start in range(0, flat.numel(), bucket_numel):
                 self.buckets.append(Bucket(flat[start : start + bucket_numel]))
         self.streams = streams
-        self.window = window
         self._pending: RestoreHandle | None = None
 
     def reduce(self, comm: Any, epoch: int, before_bucket: Callable[[int], None] | None = None) -> int:
         """Reduce every bucket not yet reduced in ``epoch``; returns the bytes reduced. Raises
-        whatever ``comm`` raises on a failure (the torn state is then repaired by :meth:`restore`).
-
-        With a ``comm`` that has ``allreduce_many_`` (the fault-tolerant communicator), up to
-        :attr:`window` buckets are in flight at once: bucket ``k + 1``'s snapshot is taken while
-        the earlier ones are reduced. Otherwise each bucket is one blocking ``allreduce_``."""
+        whatever ``comm`` raises on a failure (the torn state is then repaired by :meth:`restore`)."""
         self.wait_restored()  # the snapshots below must see the restored buffer
-        todo = [i for i, b in enumerate(self.buckets) if b.epoch != epoch]
-        hosts: dict[int, torch.Tensor] = {}
-
-        def prepare(i: int) -> torch.Tensor:
-            b = self.buckets[i]
+        nbytes = 0
+        for i, b in enumerate(self.buckets):
+            if b.epoch == epoch:
+                continue
             if before_bucket is not None:
                 before_bucket(i)
             if b.snapshot is None:
                 b.snapshot = b.take_snapshot()
             b.epoch = None
-            hosts[i] = b.view if b.view.device.type == "cpu" else b.view.cpu()
-            return hosts[i]
-
-        def finish(i: int) -> int:
-            b, host = self.buckets[i], hosts.pop(i)
+            host = b.view if b.view.device.type == "cpu" else b.view.cpu()
+            comm.allreduce_(host, epoch)
             if host is not b.view:
                 b.view.copy_(host)
             b.epoch = epoch
-            return b.view.numel() * b.view.element_size()
-
-        many = getattr(comm, "allreduce_many_", None)
-        if many is None or self.window <= 1:
-            nbytes = 0
-            for i in todo:
-                comm.allreduce_(prepare(i), epoch)
-                nbytes += finish(i)
-            return nbytes
-        reduced: list[int] = []
-        many(
-            (prepare(i) for i in todo),
-            epoch,
-            done=lambda k: reduced.append(finish(todo[k])),
-            window=self.window,
-        )
-        return sum(reduced)
+            nbytes += b.view.numel() * b.view.element_size()
+        return nbytes
 
     def stale(self, epoch: int) -> list[int]:
         return [i for i, b in enumerate(self.buckets) if b.snapshot is not None and b.epoch != epoch]
