@@ -107,9 +107,10 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path):
 GIB = 2**30
 # A heartbeat or failure-watch thread must keep running while a checkpoint is written: ULFM's
 # detector declares a rank dead after recover.heartbeat_timeout_s (5 s by default) without progress.
-# The bound is half of that: a behaviour (the GIL is released while writing), not a speed target;
-# a machine busy with other work stalls a thread for a second now and then.
-MAX_TICK_GAP_S = RecoverArgs().heartbeat_timeout_s / 2
+# That timeout is the bound: a behaviour (the GIL is released while writing), not a speed target. A
+# machine busy with other work stalls a thread for seconds now and then (3.2 s seen at a load of 12
+# on 2 cores), and a save of 2.9 GiB holding the GIL (torch.save: about 2 s per GiB) stalls it longer.
+MAX_TICK_GAP_S = RecoverArgs().heartbeat_timeout_s
 
 
 def _available_ram() -> int:
@@ -123,21 +124,21 @@ def _available_ram() -> int:
 
 
 def test_a_large_save_does_not_starve_a_python_thread(tmp_path):
-    """2.2 GiB of parameters through save_checkpoint while a thread ticks every 10 ms, as the
-    failure watch polls: the longest gap between ticks stays below half the heartbeat timeout
-    (writing them with the GIL held, as torch.save does at about 2 s per GiB, would not).
+    """2.9 GiB of parameters through save_checkpoint while a thread ticks every 10 ms, as the
+    failure watch polls: the longest gap between ticks stays below the heartbeat timeout (writing
+    them with the GIL held, as torch.save does at about 2 s per GiB, would not).
     safetensors (>= 0.8) writes with the GIL released; torch.save writes only the small RNG state."""
     ram, disk = _available_ram(), shutil.disk_usage(tmp_path).free
-    if ram < 6 * GIB or disk < 6 * GIB:
+    if ram < 8 * GIB or disk < 8 * GIB:
         pytest.skip(
-            f"needs 6 GiB of free RAM and disk, has {ram / GIB:.1f} GiB RAM, {disk / GIB:.1f} GiB disk"
+            f"needs 8 GiB of free RAM and disk, has {ram / GIB:.1f} GiB RAM, {disk / GIB:.1f} GiB disk"
         )
     mcfg = LlamaConfig(
         hidden_size=2048,
         intermediate_size=5632,
         num_attention_heads=16,
         num_key_value_heads=16,
-        num_hidden_layers=6,
+        num_hidden_layers=10,
         vocab_size=65536,
         max_position_embeddings=64,
         tie_word_embeddings=False,
@@ -148,7 +149,7 @@ def test_a_large_save_does_not_starve_a_python_thread(tmp_path):
         for p in stage.parameters():
             p.fill_(0.01)
     nbytes = sum(p.numel() * p.element_size() for p in stage.parameters())
-    assert nbytes > 2 * GIB
+    assert nbytes > 2.8 * GIB
 
     gaps: list[float] = []
     done = threading.Event()
