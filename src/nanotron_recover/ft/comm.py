@@ -173,6 +173,19 @@ def _as_numpy(buf: Any) -> np.ndarray:
     return arr
 
 
+def _launched(tp: int, pp: int, n_replicas: int, launched_replicas: int | None, size: int) -> int:
+    """The replicas a launch communicator of ``size`` ranks holds (see ``launched_replicas``)."""
+    launched = n_replicas if launched_replicas is None else launched_replicas
+    if not 1 <= launched <= n_replicas:
+        raise ValueError(f"launched_replicas must be in 1..{n_replicas}, got {launched}")
+    if size != launched * pp * tp:
+        raise ValueError(
+            f"communicator has {size} ranks, expected "
+            f"replicas*pp*tp = {launched}*{pp}*{tp} = {launched * pp * tp}"
+        )
+    return launched
+
+
 class FaultTolerantComm:
     """Membership, world epochs and fault-tolerant DP reductions for one rank.
 
@@ -215,15 +228,8 @@ class FaultTolerantComm:
         launched_replicas: int | None = None,
     ) -> None:
         base = MPI.COMM_WORLD if comm is None else comm
-        launched = n_replicas if launched_replicas is None else launched_replicas
-        if not 1 <= launched <= n_replicas:
-            raise ValueError(f"launched_replicas must be in 1..{n_replicas}, got {launched}")
+        launched = _launched(tp, pp, n_replicas, launched_replicas, base.Get_size())
         self._setup(tp, pp, n_replicas, on_leave, fault_hook, park_orphans, launched)
-        if base.Get_size() != launched * self.topology.replica_size:
-            raise ValueError(
-                f"communicator has {base.Get_size()} ranks, expected "
-                f"replicas*pp*tp = {launched}*{pp}*{tp} = {launched * self.topology.replica_size}"
-            )
         self._global: MPI.Comm = base.Dup()
         self._global.Set_errhandler(MPI.ERRORS_RETURN)
         # Logical rank (the place in the grid) of each rank of the global communicator. At launch
