@@ -189,3 +189,13 @@ def process_exists(pid: int) -> bool:
     except OSError:
         return False
     return state not in ("Z", "X")
+
+
+def rank_results(out: Path, returncode: int | None, log: str) -> dict[int, dict]:
+    """The ``rank<r>.json`` records an MPI worker wrote in ``out``, by rank; at least one."""
+    results = {}
+    for f in out.glob("rank*.json"):
+        d = json.loads(f.read_text())
+        results[d["rank"]] = d
+    assert results, f"no result files; mpirun rc={returncode}\n{log[-4000:]}"
+    return results

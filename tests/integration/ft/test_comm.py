@@ -9,7 +9,6 @@ contributes ``replica + 1``, so a sum identifies exactly which replicas took par
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -22,6 +21,7 @@ import pytest
 
 from nanotron_recover.ft.topology import Topology
 from nanotron_recover.launcher import heartbeat_flags
+from tests.helpers.mpirun_utils import rank_results
 
 WORKER = Path(__file__).resolve().parents[3] / "tests" / "helpers" / "mpi_workers" / "comm_worker.py"
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
@@ -71,12 +71,7 @@ def run_worker(tmp_path: Path, n: int, *args: str, mca: list[str] | None = None)
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
         pytest.fail(f"mpirun timed out after {RUN_TIMEOUT_S}s:\n{log[-4000:]}")
-    results = {}
-    for f in out.glob("rank*.json"):
-        d = json.loads(f.read_text())
-        results[d["rank"]] = d
-    assert results, f"no result files; mpirun rc={proc.returncode}\n{log[-4000:]}"
-    return results
+    return rank_results(out, proc.returncode, log)
 
 
 def survivors(results: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:

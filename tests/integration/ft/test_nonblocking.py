@@ -30,6 +30,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.mpirun_utils import rank_results
+
 WORKER = Path(__file__).resolve().parents[3] / "tests" / "helpers" / "mpi_workers" / "nonblocking_worker.py"
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
 RUN_TIMEOUT_S = 90.0
@@ -60,12 +62,7 @@ def _finish(proc: subprocess.Popen[str], out: Path, started: float) -> dict[int,
         os.killpg(proc.pid, signal.SIGKILL)  # the job's own process group: mpirun, prted, ranks
         log, _ = proc.communicate()
         pytest.fail(f"the job hung (killed after {RUN_TIMEOUT_S}s):\n{log[-4000:]}")
-    results = {}
-    for f in out.glob("rank*.json"):
-        d = json.loads(f.read_text())
-        results[d["rank"]] = d
-    assert results, f"no result files; mpirun rc={proc.returncode}\n{log[-4000:]}"
-    return results
+    return rank_results(out, proc.returncode, log)
 
 
 def _error_name(error: str) -> str:
