@@ -95,10 +95,22 @@ def cluster(emulated):
 
 
 def relaunch_incident(job: ClusterJob, generation: int = 1) -> dict:
-    """The incident of the last relaunch, which must be the ``generation``-th."""
+    """The incident of the ``generation``-th relaunch, the first the test caused. On a busy machine
+    a relaunched job can lose a rank again while it starts (a heartbeat missed under load) and be
+    relaunched once more: that is recovery doing its work, so a later generation may follow, but
+    none may come before it and each must blame hosts that are really down."""
     relaunches = [i for i in read_incidents(job.run_dir) if i["kind"] == "node_lost"]
-    assert relaunches and relaunches[-1]["generation"] == generation, relaunches
-    return relaunches[-1]
+    ours = [i for i in relaunches if i["generation"] == generation]
+    assert ours and all(i["generation"] >= generation for i in relaunches), relaunches
+    if len(relaunches) > 1:
+        print(f"relaunches: {[(i['generation'], i['step'], i['hosts_lost']) for i in relaunches]}")
+    return ours[0]
+
+
+def relaunches_blame(job: ClusterJob, down: list[str]) -> bool:
+    """Every relaunch named only hosts that are down."""
+    relaunches = [i for i in read_incidents(job.run_dir) if i["kind"] == "node_lost"]
+    return all(set(i["hosts_lost"]) <= set(down) for i in relaunches)
 
 
 def test_power_loss_with_a_spare_node_relaunches_at_full_width(cluster, tmp_path, plain):
@@ -142,6 +154,7 @@ def test_power_loss_without_a_spare_goes_on_narrower_with_the_same_batch(cluster
     assert_trained_like_plain(job, plain, [0, 1])
     incident = relaunch_incident(job)
     assert incident["alive_replicas"] == [0, 1] and incident["state_from"] == "snapshot"
+    assert relaunches_blame(job, [victim])
     assert read_metrics(job.run_dir)[-1]["replicas"] == 2
     assert job.leftovers([n for n in cluster.names if n != victim]) == {}
 
