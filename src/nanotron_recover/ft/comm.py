@@ -436,8 +436,9 @@ class FaultTolerantComm:
         fail_stop(reason)
 
     # --------------------------------------------------------------- operations
-    def allreduce_(self, buf: Any, epoch: int) -> None:
-        """In-place SUM of ``buf`` over the DP communicator of the world ``epoch``.
+    def allreduce_(self, buf: Any, epoch: int, out: Any = None) -> None:
+        """In-place SUM of ``buf`` over the DP communicator of the world ``epoch`` (with ``out``:
+        the sum goes there and ``buf`` is only read, so it stays this rank's contribution).
 
         Raises :class:`StaleEpoch` (without communicating) if ``epoch`` is not the
         current one. On a process failure or revoke it runs :meth:`recover` and
@@ -447,11 +448,11 @@ class FaultTolerantComm:
         self.check_open()
         if epoch != self._epoch:
             raise StaleEpoch(epoch, self._epoch)
-        arr = _as_numpy(buf)
+        send, recv = (MPI.IN_PLACE, _as_numpy(buf)) if out is None else (_as_numpy(buf), _as_numpy(out))
         t0 = time.perf_counter()
         self.in_ft_operation = True
         try:
-            self._dp_comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM)
+            self._dp_comm.Allreduce(send, recv, op=MPI.SUM)
         except MPI.Exception as exc:
             if not is_fault(exc):
                 raise

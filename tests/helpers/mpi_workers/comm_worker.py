@@ -180,6 +180,10 @@ def main() -> None:
             t = torch.full((5,), float(comm.replica + 1), dtype=torch.float32)
             comm.allreduce_(t, comm.epoch)
             record["torch_value"] = t.tolist()
+            # Out of place, as a staged device bucket is reduced: the input stays the contribution.
+            mine, total = torch.full((3,), float(comm.replica + 1)), torch.zeros(3)
+            comm.allreduce_(mine, comm.epoch, out=total)
+            record["out_of_place"] = [mine.tolist(), total.tolist()]
         # Agree is a logical AND: one False vote must give False everywhere.
         record["agree_and"], _ = comm.agree(comm.dp_rank != 0)
         # Stop requests are an OR: each replica sets its own bit, everyone gets them all.

@@ -138,6 +138,7 @@ def test_no_failure(tmp_path: Path, tp: int, pp: int, replicas: int, extra: tupl
         assert all(s["epoch"] == 0 and s["attempts"] == 1 for s in d["steps"])
         if "--torch" in extra:
             assert d["torch_value"] == [float(total)] * 5
+            assert d["out_of_place"] == [[float(d["replica"] + 1)] * 3, [float(total)] * 3]
     assert_consistent_world(res, topo, list(range(replicas)))
 
 

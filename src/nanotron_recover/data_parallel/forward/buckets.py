@@ -19,10 +19,12 @@ one copy into memory already mapped, where a fresh clone per reduction also paid
 itself stays in place: an out-of-place ``Allreduce`` into a separate result buffer, which would
 leave the contribution as its own snapshot, measured slower here, since Open MPI first copies the
 send buffer into the result and the result must still be copied back into the gradient buffer.
-Device buckets take a fresh clone, whose memory goes back to the caching allocator when the
-snapshot is dropped (a kept buffer would hold a gradient-sized block through the next forward and
-backward). Whether a snapshot is *valid* is unchanged: from the reduction that takes it until the
-next :meth:`restore` or :meth:`reset`.
+Device buckets are staged through pinned host memory (:mod:`.staging`): their device->host copy
+is queued for every bucket at the start of the reduction, each bucket is reduced out of place as
+soon as its copy is done, and the host->device copy of its sum overlaps the next bucket's
+reduction. The pinned staging buffer of a device bucket keeps this rank's contribution, so it is
+``S(b)``: no device memory and no extra copy for snapshots on a GPU. Whether a snapshot is *valid*
+is unchanged: from the reduction that takes it until the next :meth:`restore` or :meth:`reset`.
 
 Several tensors can be reduced together (the gradient buffer plus small bookkeeping vectors); each
 is cut into its own buckets of at most ``bucket_numel`` elements.
@@ -46,7 +48,10 @@ from typing import Any
 
 import torch
 
+from .staging import CopyEngine, CudaCopies
 from .streams import CudaStreams, Streams
+
+STAGING_DEPTH = 2  # reduced device buckets whose host->device copy may be in flight at once
 
 
 @dataclass
@@ -54,12 +59,13 @@ class Bucket:
     view: torch.Tensor
     snapshot: torch.Tensor | None = None  # S(b), while valid (None: no snapshot)
     epoch: int | None = None
-    store: torch.Tensor | None = None  # host buckets: the memory S(b) is taken into, kept across steps
+    # The host memory S(b) is taken into, kept across steps: for a device bucket the pinned
+    # staging buffer MPI reads, for a host bucket a buffer of its own.
+    store: torch.Tensor | None = None
+    copied: object | None = None  # a device bucket's device->host copy into ``store``, until waited for
 
     def take_snapshot(self) -> torch.Tensor:
-        """``S(b)``: a copy of the bucket's current contents."""
-        if self.view.device.type != "cpu":
-            return self.view.clone()
+        """``S(b)`` of a bucket reduced where it lives: a copy of its current contents."""
         if self.store is None:
             self.store = torch.empty_like(self.view)
         return self.store.copy_(self.view)
@@ -97,41 +103,101 @@ class BucketedReduction:
     ``streams`` runs asynchronous restores; by default a :class:`~.streams.CudaStreams` is created
     on the first asynchronous restore that has a CUDA bucket to copy, and a restore without device
     buckets (or with ``asynchronous=False``) is a plain copy that needs no stream at all.
+    ``copies`` stages device buckets through host memory (:mod:`.staging`); by default a
+    :class:`~.staging.CudaCopies` is created on the first reduction with a CUDA bucket.
     """
 
     def __init__(
-        self, tensors: list[torch.Tensor], bucket_numel: int, streams: Streams | None = None
+        self,
+        tensors: list[torch.Tensor],
+        bucket_numel: int,
+        streams: Streams | None = None,
+        copies: CopyEngine | None = None,
+        depth: int = STAGING_DEPTH,
     ) -> None:
         if bucket_numel < 1:
             raise ValueError("bucket_numel must be >= 1")
+        if depth < 1:
+            raise ValueError("depth must be >= 1")
         self.buckets: list[Bucket] = []
         for t in tensors:
             flat = t.view(-1)
             for start in range(0, flat.numel(), bucket_numel):
                 self.buckets.append(Bucket(flat[start : start + bucket_numel]))
         self.streams = streams
+        self.copies = copies
+        self.depth = depth
+        self._ring: dict[int, torch.Tensor] = {}  # pinned result buffers of device buckets, by slot
         self._pending: RestoreHandle | None = None
 
     def reduce(self, comm: Any, epoch: int, before_bucket: Callable[[int], None] | None = None) -> int:
         """Reduce every bucket not yet reduced in ``epoch``; returns the bytes reduced. Raises
         whatever ``comm`` raises on a failure (the torn state is then repaired by :meth:`restore`)."""
         self.wait_restored()  # the snapshots below must see the restored buffer
-        nbytes = 0
-        for i, b in enumerate(self.buckets):
-            if b.epoch == epoch:
-                continue
-            if before_bucket is not None:
-                before_bucket(i)
+        todo = [i for i, b in enumerate(self.buckets) if b.epoch != epoch]
+        copies = self._copies_for(todo)
+        staged = {i for i in todo if copies is not None and copies.owns(self.buckets[i].view)}
+        for i in sorted(staged):  # every device->host copy at once: S(b), and what MPI reads
+            b = self.buckets[i]
             if b.snapshot is None:
-                b.snapshot = b.take_snapshot()
-            b.epoch = None
-            host = b.view if b.view.device.type == "cpu" else b.view.cpu()
-            comm.allreduce_(host, epoch)
-            if host is not b.view:
-                b.view.copy_(host)
-            b.epoch = epoch
-            nbytes += b.view.numel() * b.view.element_size()
+                if b.store is None:
+                    b.store = copies.host_buffer(b.view.numel(), b.view.dtype)
+                b.copied = copies.to_host(b.store, b.view)
+                b.snapshot = b.store
+        in_flight: list[object | None] = [None] * self.depth
+        nbytes, slot = 0, 0
+        try:
+            for i in todo:
+                b = self.buckets[i]
+                if before_bucket is not None:
+                    before_bucket(i)
+                b.epoch = None
+                if i in staged:
+                    assert copies is not None and b.store is not None
+                    self._wait_copied(copies, b)
+                    if in_flight[slot] is not None:
+                        copies.host_wait(in_flight[slot])  # the slot's last sum has left it
+                    out = self._ring_slot(copies, slot, b.view)
+                    comm.allreduce_(b.store, epoch, out=out)
+                    in_flight[slot] = copies.to_device(b.view, out)
+                    slot = (slot + 1) % self.depth
+                else:
+                    if b.snapshot is None:
+                        b.snapshot = b.take_snapshot()
+                    comm.allreduce_(b.view, epoch)
+                b.epoch = epoch
+                nbytes += b.view.numel() * b.view.element_size()
+        finally:
+            # Whatever comes next (the optimizer, a restore) runs after every copy: no late copy
+            # into a bucket, nor out of a staging buffer that a restore reads.
+            for event in in_flight:
+                if event is not None:
+                    assert copies is not None
+                    copies.device_wait(event)
+            for i in staged:
+                self._wait_copied(copies, self.buckets[i])
         return nbytes
+
+    @staticmethod
+    def _wait_copied(copies: CopyEngine | None, b: Bucket) -> None:
+        if b.copied is not None:
+            assert copies is not None
+            copies.host_wait(b.copied)
+            b.copied = None
+
+    def _ring_slot(self, copies: CopyEngine, slot: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self._ring.get(slot)
+        if buf is None or buf.dtype != like.dtype or buf.numel() < like.numel():
+            numel = max(b.view.numel() for b in self.buckets if b.view.dtype == like.dtype)
+            buf = self._ring[slot] = copies.host_buffer(numel, like.dtype)
+        return buf[: like.numel()]
+
+    def _copies_for(self, todo: list[int]) -> CopyEngine | None:
+        if self.copies is None:
+            cuda = next((self.buckets[i].view for i in todo if self.buckets[i].view.is_cuda), None)
+            if cuda is not None:
+                self.copies = CudaCopies(cuda.device)
+        return self.copies
 
     def stale(self, epoch: int) -> list[int]:
         return [i for i, b in enumerate(self.buckets) if b.snapshot is not None and b.epoch != epoch]
@@ -160,7 +226,10 @@ class BucketedReduction:
                 for view, snapshot in pairs:
                     view.copy_(snapshot, non_blocking=True)
 
-            event = streams.side(copy_back, keep_alive=[snapshot for _, snapshot in pairs])
+            # A device bucket's S(b) is its pinned staging buffer, kept for good: only device
+            # snapshots need keeping alive for the side stream.
+            alive = [snapshot for _, snapshot in pairs if streams.owns(snapshot)]
+            event = streams.side(copy_back, keep_alive=alive)
             handle = RestoreHandle(tuple(stale), streams, event)
             self._pending = handle
         for i in stale:
