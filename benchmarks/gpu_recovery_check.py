@@ -15,8 +15,9 @@ relative, the surviving replicas' parameters bitwise identical, the expected inc
   step agree): the survivors restore every CUDA gradient bucket on the side stream and the CPU
   bookkeeping bucket by a plain copy.
 
-The DP reduction goes over MPI from the CUDA gradient buffers (staged through host memory). On a
-GPU the table is written to ``<out>/gpu_recovery_check.json`` and ``.md``; ``--cpu`` runs the same
+The DP reduction goes over MPI from the CUDA gradient buffers (staged through pinned host memory,
+``staging.py``); on a GPU the script then runs ``reduction.py --device cuda`` (the staged pipeline
+against the pageable path it replaced, and the achieved copy bandwidths). On a GPU the table is written to ``<out>/gpu_recovery_check.json`` and ``.md``; ``--cpu`` runs the same
 cases on CPU (asynchronous restores then fall back to blocking copies) and only prints the table,
 which is how the script itself is checked on machines without a GPU. ``--quick`` uses the tiny model
 and fewer steps, for a CPU check on a few cores.
@@ -312,9 +313,24 @@ def main() -> int:
             {"device": device, "steps": steps, "ok": ok, "cases": rows},
             lines,
         )
+        ok = reduction_on_gpu(Path(args.out), env) and ok
     else:
         print("\n".join(lines))
     return 0 if ok else 1
+
+
+def reduction_on_gpu(out: Path, env: dict[str, str]) -> bool:
+    """The reduction benchmark with gradients in GPU memory (``reduction.py --device cuda``): the
+    staged pipeline against the pageable path it replaced and a bare host ``Allreduce``."""
+    cmd = [sys.executable, str(Path(__file__).parent / "reduction.py"), "--device", "cuda"]
+    cmd += ["--dp", "2", "--params", "50M", "200M", "--reps", "10", "--out", str(out)]
+    print("[gpu_recovery_check] reduction with CUDA gradients ...", flush=True)
+    try:
+        done = subprocess.run(cmd, env=env, timeout=900)
+    except subprocess.TimeoutExpired:
+        print("[gpu_recovery_check] reduction benchmark timed out", flush=True)
+        return False
+    return done.returncode == 0
 
 
 if __name__ == "__main__":

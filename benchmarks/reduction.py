@@ -22,6 +22,15 @@ Before every repetition the buffer is refilled with the rank's contribution (not
 ranks meet at a barrier; a repetition's time is the slowest rank's. Each figure is the median over
 ``--reps`` repetitions after one warm-up. ``ratio`` is ours / bare MPI.
 
+``--device cuda`` (one GPU is enough: every rank uses GPU ``rank % count``) puts the gradient
+buffer in device memory, as on a GPU cluster, where the Open MPI wheel reduces host memory only:
+``ours`` is then the staged pipeline (``staging.py``: pinned staging buffers that are the
+snapshots, copies on their own streams, out-of-place reductions) and ``pageable`` the path it
+replaced (per bucket: a device clone as the snapshot, ``.cpu()`` into pageable memory, an in-place
+``Allreduce``, a copy back, nothing overlapped); ``bare MPI`` reduces a host buffer of the same
+bytes (the network's limit), and the achieved device->host and host->device bandwidths of pageable
+and pinned memory are measured beside them (``copy_gbps``). Written as ``reduction_cuda.json``.
+
 Writes ``<out>/reduction.json`` (``runs``: one entry per size; the top-level ``ours_s``,
 ``bare_mpi_s``, ``gloo_s`` and ``ratio`` are those of the largest size) and ``<out>/reduction.md``.
 ``--before FILE`` adds the numbers of an earlier ``reduction.json`` to the table (same sizes).
@@ -83,8 +92,13 @@ def worker(args: argparse.Namespace) -> None:
     store = create_store(world, rank, dp, timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=dp, timeout=timedelta(seconds=300))
 
-    contribution = torch.randn(args.params, generator=torch.Generator().manual_seed(rank))
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    contribution = torch.randn(args.params, generator=torch.Generator().manual_seed(rank)).to(device)
     grads = torch.empty_like(contribution)  # the engine's grads_flat
+    host = torch.empty(args.params)  # what bare MPI reduces on a GPU: host memory of the same bytes
     B = dp  # one micro-batch per replica
     book = torch.zeros(2 * B + 2 * dp, dtype=torch.float64)  # as StepTransaction.attach
     numel = max(1, int(args.bucket_mb * 2**20) // grads.element_size())
@@ -95,9 +109,9 @@ def worker(args: argparse.Namespace) -> None:
 
         inside = 0.0
 
-        def allreduce_(self, buf: Any, epoch: int) -> None:
+        def allreduce_(self, buf: Any, epoch: int, out: Any = None) -> None:
             t0 = time.perf_counter()
-            ftc.allreduce_(buf, epoch)
+            ftc.allreduce_(buf, epoch, out=out)
             TimedComm.inside += time.perf_counter() - t0
 
     comm = TimedComm()
@@ -109,19 +123,22 @@ def worker(args: argparse.Namespace) -> None:
         TimedComm.inside = 0.0
         t0 = time.perf_counter()
         reduction.reduce(comm, ftc.epoch, before_bucket=lambda b: None)
+        if cuda:
+            torch.cuda.synchronize()  # the optimizer would read the buffer now
         t1 = time.perf_counter()
         ftc.agree(True)  # the commit, timed apart
         return {"s": t1 - t0, "allreduce_s": TimedComm.inside, "agree_s": time.perf_counter() - t1}
 
     def bare() -> dict[str, float]:
         t0 = time.perf_counter()
-        world.Allreduce(MPI.IN_PLACE, grads.numpy(), op=MPI.SUM)
+        world.Allreduce(MPI.IN_PLACE, (host if cuda else grads).numpy(), op=MPI.SUM)
         return {"s": time.perf_counter() - t0}
 
     def bare_buckets() -> dict[str, float]:
         t0 = time.perf_counter()
         for b in reduction.buckets:
-            world.Allreduce(MPI.IN_PLACE, b.view.numpy(), op=MPI.SUM)
+            view = host[: b.view.numel()] if b.view.is_cuda else b.view
+            world.Allreduce(MPI.IN_PLACE, view.numpy(), op=MPI.SUM)
         return {"s": time.perf_counter() - t0}
 
     def gloo() -> dict[str, float]:
@@ -129,11 +146,27 @@ def worker(args: argparse.Namespace) -> None:
         dist.all_reduce(grads)
         return {"s": time.perf_counter() - t0}
 
-    variants = {"ours": ours, "bare_mpi": bare, "bare_mpi_buckets": bare_buckets, "gloo": gloo}
+    def pageable() -> dict[str, float]:
+        """The device path before staging: one bucket at a time, nothing overlapped."""
+        t0 = time.perf_counter()
+        for b in reduction.buckets:
+            snapshot = b.view.clone()
+            staged = b.view.cpu()
+            world.Allreduce(MPI.IN_PLACE, staged.numpy(), op=MPI.SUM)
+            b.view.copy_(staged)
+            del snapshot
+        torch.cuda.synchronize()
+        return {"s": time.perf_counter() - t0}
+
+    variants = {"ours": ours, "bare_mpi": bare, "bare_mpi_buckets": bare_buckets}
+    variants.update({"pageable": pageable} if cuda else {"gloo": gloo})
     times: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     for rep in range(args.reps + 1):
         for name, run in variants.items():
             grads.copy_(contribution)  # what backward left in the buffer
+            if cuda:
+                host.copy_(contribution.cpu())
+                torch.cuda.synchronize()
             world.Barrier()
             mine = run()
             slowest = {k: world.allreduce(v, op=MPI.MAX) for k, v in mine.items()}
@@ -143,19 +176,40 @@ def worker(args: argparse.Namespace) -> None:
     expected = torch.zeros_like(contribution)
     for r in range(dp):
         expected += torch.randn(args.params, generator=torch.Generator().manual_seed(r))
-    ok = bool(torch.allclose(grads, expected, rtol=1e-4, atol=1e-4))
+    ok = bool(torch.allclose(grads.cpu(), expected, rtol=1e-4, atol=1e-4))
     if rank == 0:
         result = {
             name: {k: statistics.median(t[k] for t in ts) for k in ts[0]} | {"reps_s": [t["s"] for t in ts]}
             for name, ts in times.items()
         }
         result["sums_agree"] = ok
+        if cuda:
+            result["copy_gbps"] = copy_bandwidths(grads)
         Path(args.json).write_text(json.dumps(result))
     world.Barrier()
     dist.destroy_process_group()
     ftc.close()
     sys.stdout.flush()
     os._exit(0)  # no MPI_Finalize, as the trainer (it can block with the heartbeat detector on)
+
+
+def copy_bandwidths(device_buf: Any, reps: int = 5) -> dict[str, float]:
+    """Achieved device->host and host->device GB/s of ``device_buf``, pageable and pinned memory."""
+    import torch
+
+    out = {}
+    for kind, pinned in (("pageable", False), ("pinned", True)):
+        host = torch.empty(device_buf.numel(), dtype=device_buf.dtype, pin_memory=pinned)
+        for name, dst, src in (("d2h", host, device_buf), ("h2d", device_buf, host)):
+            best = float("inf")
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                dst.copy_(src, non_blocking=pinned)
+                torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            out[f"{name}_{kind}"] = device_buf.numel() * device_buf.element_size() / best / 1e9
+    return out
 
 
 # -- the driver -----------------------------------------------------------------------------------
@@ -165,14 +219,19 @@ def run_size(n: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     out = tmp / f"{n}.json"
     program = [sys.executable, str(Path(__file__).resolve()), "--worker", "--params", str(n)]
     program += ["--reps", str(args.reps), "--bucket-mb", str(args.bucket_mb), "--json", str(out)]
+    program += ["--device", args.device]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(mpirun_command(args.dp, program, heartbeat=HEARTBEAT), check=True, timeout=900, env=env)
     raw = json.loads(out.read_text())
     if not raw["sums_agree"]:
         raise SystemExit(f"{n} parameters: the reduced gradients differ from the expected sum")
     nbytes = 4 * n
-    ours, bare, bucketed, gloo = raw["ours"], raw["bare_mpi"], raw["bare_mpi_buckets"], raw["gloo"]
-    return {
+    ours, bare, bucketed = raw["ours"], raw["bare_mpi"], raw["bare_mpi_buckets"]
+    # On a GPU the fourth variant is the path staging replaced; on CPU it is gloo.
+    other = "pageable" if args.device == "cuda" else "gloo"
+    extra = {"pageable_s": raw[other]["s"], "copy_gbps": raw["copy_gbps"]} if other == "pageable" else {}
+    return extra | {
+        "device": args.device,
         "params": n,
         "dp": args.dp,
         "bytes": nbytes,
@@ -183,12 +242,12 @@ def run_size(n: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "agree_s": ours["agree_s"],
         "bare_mpi_s": bare["s"],
         "bare_mpi_buckets_s": bucketed["s"],
-        "gloo_s": gloo["s"],
+        "gloo_s": raw["gloo"]["s"] if other == "gloo" else None,
         "ratio": ours["s"] / bare["s"],
         "ratio_buckets": ours["s"] / bucketed["s"],
         "ours_gbps": nbytes / ours["s"] / 1e9,
         "bare_mpi_gbps": nbytes / bare["s"] / 1e9,
-        "reps_s": {k: raw[k]["reps_s"] for k in ("ours", "bare_mpi", "bare_mpi_buckets", "gloo")},
+        "reps_s": {k: raw[k]["reps_s"] for k in ("ours", "bare_mpi", "bare_mpi_buckets", other)},
     }
 
 
@@ -205,9 +264,19 @@ def report(results: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
         "ours, one per bucket, without the bucket code; gloo: `torch.distributed.all_reduce`.",
         "",
     ]
+    cuda = results.get("device") == "cuda"
+    if cuda:
+        lines += [
+            "Gradients in GPU memory: ours stages them through pinned host buffers (the snapshots), "
+            "copies on their own streams overlapping the reductions; pageable: the path before it "
+            "(a device clone, `.cpu()`, an in-place `Allreduce`, a copy back, bucket after bucket); "
+            "bare MPI reduces host memory of the same bytes.",
+            "",
+        ]
+    other = ("pageable s", "pageable_s") if cuda else ("gloo s", "gloo_s")
     old = {r["params"]: r for r in (before or {}).get("runs", [])}
     columns = ["parameters", "MB", "ours s", "inside allreduce s", "bare MPI s", "bare MPI, buckets s"]
-    columns += ["gloo s", "ours / bare", "ours / bare, buckets"]
+    columns += [other[0], "ours / bare", "ours / bare, buckets"]
     if old:
         columns += ["ours s before", "ours / bare before"]
     rows = []
@@ -219,7 +288,7 @@ def report(results: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
             f"{r['ours_allreduce_s']:.3f}",
             f"{r['bare_mpi_s']:.3f}",
             f"{r['bare_mpi_buckets_s']:.3f}",
-            f"{r['gloo_s']:.3f}",
+            f"{r[other[1]]:.3f}",
             f"{r['ratio']:.2f}",
             f"{r['ratio_buckets']:.2f}",
         ]
@@ -228,6 +297,12 @@ def report(results: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
             row += [f"{b['ours_s']:.3f}", f"{b['ratio']:.2f}"] if b else ["-", "-"]
         rows.append(row)
     lines += markdown_table(columns, rows)
+    if cuda:
+        gbps = results["runs"][-1]["copy_gbps"]
+        lines += [
+            "",
+            "Copies of the largest buffer, GB/s: " + ", ".join(f"{k} {v:.1f}" for k, v in gbps.items()),
+        ]
     if old:
         lines += ["", f"Before: {before.get('code', 'an earlier version of the bucket code')}."]
     return lines
@@ -239,6 +314,7 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=4)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--bucket-mb", type=float, default=BUCKET_MB)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the gradients live")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--before", type=Path, help="an earlier reduction.json to compare with")
     parser.add_argument("--code", default="", help="what code was measured (recorded in the JSON)")
@@ -251,8 +327,14 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from common import machine_info, write_report
 
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device here")
     results: dict[str, Any] = {
         "machine": machine_info(),
+        "device": args.device,
         "dp": args.dp,
         "reps": args.reps,
         "bucket_mb": args.bucket_mb,
@@ -263,7 +345,8 @@ def main() -> None:
     largest = results["runs"][-1]
     results.update({k: largest[k] for k in ("params", "ours_s", "bare_mpi_s", "gloo_s", "ratio")})
     before = json.loads(args.before.read_text()) if args.before else None
-    write_report(args.out, "reduction", results, report(results, before))
+    name = "reduction_cuda" if args.device == "cuda" else "reduction"
+    write_report(args.out, name, results, report(results, before))
 
 
 if __name__ == "__main__":
