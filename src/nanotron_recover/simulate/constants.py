@@ -99,7 +99,7 @@ MEANINGS: dict[str, tuple[str, str]] = {
         "1: gradients live on the device and each bucket is copied to host memory, reduced by MPI "
         "and copied back (the Open MPI wheel has no CUDA support); 0: they are in host memory",
     ),
-    "staging_pinned": ("0/1", "1: the host staging buffers are pinned; 0: pageable (the code's .cpu())"),
+    "staging_pinned": ("0/1", "1: the host staging buffers are pinned (the code); 0: pageable (.cpu())"),
     "copy_bw_pinned": ("B/s", "device<->host copy of one rank from/to pinned host memory"),
     "copy_bw_pageable": ("B/s", "device<->host copy of one rank from/to pageable host memory"),
     "host_memcpy_bw": ("B/s", "one core copying host memory (a host bucket's snapshot)"),
@@ -110,9 +110,10 @@ MEANINGS: dict[str, tuple[str, str]] = {
     "mpi_latency_rdma_s": ("s", "one MPI message's latency through btl/uct"),
     "mpi_latency_tcp_s": ("s", "one MPI message's latency through btl/tcp"),
     "reduce_pipeline_depth": (
-        "buckets",
-        "buckets in flight at once in the forward-recovery reduction (1: one bucket at a time, its "
-        "snapshot, copies and all-reduce one after the other, as the code does)",
+        "stages",
+        "stages of the forward-recovery reduction running at once (1: one bucket at a time, its "
+        "copies and all-reduce one after the other; 3: copies out, reductions and copies back "
+        "overlapped, as staging.py does)",
     ),
     "dp_latency_plain_s": ("s", "fixed cost per step of the plain all-reduce (gloo on CPU, NCCL on GPU)"),
     "detect_crash_s": ("s", "a crashed process to the survivors seeing it in MPI"),
@@ -213,12 +214,12 @@ A100_512 = Profile(
             ),
             "grad_staging": (
                 1,
-                "the code: buckets.py copies a CUDA bucket to host memory (.cpu()) before "
-                "comm.allreduce_ and back after it; the Open MPI wheel is built without CUDA",
+                "the code: buckets.py stages a CUDA bucket through host memory (staging.py) for "
+                "comm.allreduce_ and copies the sum back; the Open MPI wheel is built without CUDA",
             ),
             "staging_pinned": (
-                0,
-                "the code: Tensor.cpu() returns pageable memory, a fresh buffer per bucket",
+                1,
+                "the code: staging.py allocates pinned staging and result buffers once",
             ),
             "copy_bw_pinned": (
                 25e9,
@@ -249,7 +250,11 @@ A100_512 = Profile(
             ),
             "mpi_latency_rdma_s": (5e-6, "assumed: ob1 over uct, a few microseconds per message"),
             "mpi_latency_tcp_s": (30e-6, "assumed: a TCP message between nodes, 20-50 microseconds"),
-            "reduce_pipeline_depth": (1, "the code: buckets.py reduces one bucket at a time"),
+            "reduce_pipeline_depth": (
+                3,
+                "the code: staging.py queues every device->host copy at once and copies each sum "
+                "back on its own stream while the next bucket is reduced",
+            ),
             "dp_latency_plain_s": (0.02, "assumed: NCCL all-reduce latency, bucketed"),
             "detect_crash_s": (
                 CALIBRATION["detect_crash_s"],

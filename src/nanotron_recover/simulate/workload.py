@@ -31,18 +31,22 @@ with ``bw_dp`` a node's network share per device (the intra-node link when the w
 node): that is the *plain* path (checkpoint-restart: NCCL on the device, gloo on a CPU). The
 *forward-recovery* path is what ``data_parallel/forward/buckets.py`` does, modelled by
 :class:`FtReduction`: the gradient buffer (and the bookkeeping vector) cut into buckets of
-``recover.bucket_size_mb``, each bucket of ``b`` bytes taking, one after the other,
+``recover.bucket_size_mb``, each bucket of ``b`` bytes taking
 
-    snapshot  2 * b / hbm_bw (a device clone)  or  b / host_memcpy_bw (a host copy)
-    d2h       b / copy_bw                      (grad_staging: .cpu(); pinned or pageable)
+    snapshot  b / host_memcpy_bw (a host copy; none when staged: the staging copy is S(b))
+    d2h       b / copy_bw                      (grad_staging; pinned or pageable)
     allreduce 2 * (W - 1) / W * b / mpi_bw + 2 * (W - 1) * mpi_latency     ring over the network
               + (W - 1) / W * b / cpu_sum_bw                                  MPI_SUM on one core
+              + b / host_memcpy_bw             (staged: out of place, MPI copies the input first)
     h2d       b / copy_bw                      (grad_staging: copied back)
 
 with ``mpi_bw``/``mpi_latency`` those of the transport (btl/uct or btl/tcp), plus
-``dp_latency_ft_s`` per step (gate, agree). With ``reduce_pipeline_depth = d`` buckets in flight,
-bucket ``i`` costs ``max(its longest stage, its sum / d)`` and the first one its whole sum (``d = 1``:
-the sum of every stage of every bucket, the code today). And the optimizer streams about 36 bytes per parameter of the rank through device memory (fp32
+``dp_latency_ft_s`` per step (gate, agree). With ``reduce_pipeline_depth = d`` stages running at
+once, bucket ``i`` costs ``max(its longest stage, its sum / d)`` and the first one its whole sum
+(``d = 1``: every stage of every bucket one after the other; the code's staged pipeline overlaps
+its three stages, ``d = 3``: the device->host copies, the reductions and the copies back run on
+two copy engines and the CPU at once). A torn reduction's restore copies the stale buckets' S(b)
+back: host to device when staged, a host copy otherwise. And the optimizer streams about 36 bytes per parameter of the rank through device memory (fp32
 master, gradient, two moments read and written; the bf16 copy written). When ``shared_cores`` is
 set (a CPU machine) and more ranks than cores are busy, everything runs ``ranks / cores`` times
 slower: the ranks time-share the cores.
@@ -67,12 +71,13 @@ class FtReduction:
     """The forward-recovery reduction of one rank, bucket by bucket (see the module docstring)."""
 
     buckets: tuple[int, ...]  # bytes of each bucket, in order (gradients, then bookkeeping)
-    snapshot_bw: float  # bytes/s of taking a bucket's snapshot (hbm_bw / 2 on a device)
+    snapshot_bw: float  # bytes/s of taking a bucket's snapshot; 0: free (the staging copy is S(b))
     copy_bw: float  # device<->host, each way; 0: no staging (gradients in host memory)
     net_bw: float  # one rank's share of the MPI transport
     net_latency_s: float  # one MPI message
     sum_bw: float  # MPI_SUM on one core, bytes of the result
-    depth: int = 1  # buckets in flight
+    depth: int = 1  # stages running at once
+    out_of_place_bw: float = 0.0  # the host copy an out-of-place reduction makes first; 0: in place
 
     @classmethod
     def on(cls, profile: Profile, grad_bytes: int, book_bytes: int, bucket_bytes: int) -> FtReduction:
@@ -84,12 +89,13 @@ class FtReduction:
         pinned = v("staging_pinned") > 0
         return cls(
             buckets=split_buckets(grad_bytes, bucket_bytes) + split_buckets(book_bytes, bucket_bytes),
-            snapshot_bw=v("hbm_bw") / 2 if staging else v("host_memcpy_bw"),
+            snapshot_bw=0.0 if staging else v("host_memcpy_bw"),
             copy_bw=(v("copy_bw_pinned") if pinned else v("copy_bw_pageable")) if staging else 0.0,
             net_bw=v("mpi_bw_rdma") if rdma else v("mpi_bw_tcp"),
             net_latency_s=v("mpi_latency_rdma_s") if rdma else v("mpi_latency_tcp_s"),
             sum_bw=v("cpu_sum_bw"),
             depth=max(int(v("reduce_pipeline_depth")), 1),
+            out_of_place_bw=v("host_memcpy_bw") if staging else 0.0,
         )
 
     def stages(self, nbytes: int, replicas: int) -> dict[str, float]:
@@ -99,10 +105,12 @@ class FtReduction:
         if w > 1:
             net = 2 * (w - 1) / w * nbytes / self.net_bw + 2 * (w - 1) * self.net_latency_s
             cpu_sum = (w - 1) / w * nbytes / self.sum_bw
+            if self.out_of_place_bw > 0:
+                cpu_sum += nbytes / self.out_of_place_bw
         else:
             net = cpu_sum = 0.0
         return {
-            "snapshot": nbytes / self.snapshot_bw,
+            "snapshot": nbytes / self.snapshot_bw if self.snapshot_bw > 0 else 0.0,
             "d2h": copy,
             "network": net,
             "cpu_sum": cpu_sum,
@@ -129,8 +137,10 @@ class FtReduction:
         return total
 
     def restore_s(self, stale: int) -> float:
-        """Copying ``stale`` buckets' snapshots back (a torn reduction), the largest buckets first."""
-        return sum(sorted(self.buckets, reverse=True)[:stale]) / self.snapshot_bw
+        """Copying ``stale`` buckets' snapshots back (a torn reduction), the largest buckets first:
+        host to device when the snapshots are the staging buffers."""
+        bw = self.copy_bw if self.snapshot_bw == 0 else self.snapshot_bw
+        return sum(sorted(self.buckets, reverse=True)[:stale]) / bw
 
 
 def split_buckets(nbytes: int, bucket_bytes: int) -> tuple[int, ...]:

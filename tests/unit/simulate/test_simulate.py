@@ -421,7 +421,7 @@ def test_buckets_are_cut_as_buckets_py_cuts_them():
     assert split_buckets(0, 25) == ()
 
 
-def test_llama7b_reduction_charges_host_staging_bucket_by_bucket():
+def test_llama7b_reduction_charges_the_staged_pipeline():
     cfg = load_config(LLAMA7B, check_paths=False)
     prof = get_profile("a100-512")
     wl = build_workload(cfg, prof)
@@ -433,16 +433,28 @@ def test_llama7b_reduction_charges_host_staging_bucket_by_bucket():
     assert wl.buckets == 130
     total = grad + book
     terms = wl.ft.terms(64)
-    assert terms["d2h"] == pytest.approx(total / 6e9) == pytest.approx(terms["h2d"])  # pageable
-    assert terms["snapshot"] == pytest.approx(2 * total / 1.555e12)  # a clone on the device
-    assert terms["cpu_sum"] == pytest.approx(63 / 64 * total / 10e9)
+    assert terms["d2h"] == pytest.approx(total / 25e9) == pytest.approx(terms["h2d"])  # pinned
+    assert terms["snapshot"] == 0.0  # the staging copy is the snapshot
+    # MPI_SUM on one core, and the copy of the input an out-of-place reduction makes first.
+    assert terms["cpu_sum"] == pytest.approx(63 / 64 * total / 10e9 + total / 10e9)
     assert terms["network"] == pytest.approx(2 * 63 / 64 * total / 8.75e9 + 130 * 126 * 5e-6)
-    assert wl.reduce_s(64, forward=True) == pytest.approx(sum(terms.values()) + 0.01 + wl.optimizer_s)
+    # Three stages at once: the first bucket whole, then each bucket's slowest stage (the reduction).
+    first = sum(wl.ft.stages(wl.ft.buckets[0], 64).values())
+    rest = sum(
+        max(st["d2h"], st["network"] + st["cpu_sum"], st["h2d"])
+        for st in (wl.ft.stages(b, 64) for b in wl.ft.buckets[1:])
+    )
+    assert wl.ft.depth == 3 and wl.ft.time_s(64) == pytest.approx(first + rest)
+    assert wl.reduce_s(64, forward=True) == pytest.approx(first + rest + 0.01 + wl.optimizer_s)
+    assert wl.ft.restore_s(2) == pytest.approx(2 * bucket / 25e9)  # host to device
     # The plain path (NCCL on the device) keeps the ring over the network, no staging.
     plain = 2 * 63 / 64 * grad / (50e9 / 4 * 0.7) + 0.02 + wl.optimizer_s
     assert wl.reduce_s(64, forward=False) == pytest.approx(plain)
-    pinned = build_workload(cfg, prof.with_values({"staging_pinned": 1}))
-    assert pinned.ft.terms(64)["d2h"] == pytest.approx(total / 25e9)
+    # The path before staging.py: pageable copies, one bucket at a time.
+    before = build_workload(cfg, prof.with_values({"staging_pinned": 0, "reduce_pipeline_depth": 1}))
+    assert before.ft.terms(64)["d2h"] == pytest.approx(total / 6e9)
+    assert before.ft.time_s(64) == pytest.approx(sum(before.ft.terms(64).values()))
+    assert before.ft.time_s(64) > 1.5 * wl.ft.time_s(64)
     tcp = build_workload(cfg, prof.with_values({"mpi_transport_rdma": 0}))
     assert tcp.ft.terms(64)["network"] == pytest.approx(2 * 63 / 64 * total / 2.5e9 + 130 * 126 * 30e-6)
     on_host = build_workload(cfg, prof.with_values({"grad_staging": 0}))
