@@ -82,7 +82,9 @@ class Members:
 
     def on_watchdog_expire(self, reason: str) -> None:
         self.record(Kind.HANG, message=reason)
-        if f"phase {REJOIN_PHASE!r}" in reason and self.current_generation():
+        # Only a member gives the job up: a spawned process not yet joined waited on the members,
+        # who have deadlines of their own (its death aborts their join, if they are still in it).
+        if f"phase {REJOIN_PHASE!r}" in reason and not self.s.joining and self.current_generation():
             # Every member is in the same join: the job as a whole is stuck (a spawned process
             # frozen in a stage no detector watches). The supervisor ends and relaunches it.
             write_abandoned(self.s.run_dir, reason)

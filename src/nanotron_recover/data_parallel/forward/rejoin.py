@@ -283,7 +283,12 @@ class Rejoin:
         start_heartbeat(s.run_dir, s.args.heartbeat_period_s)  # nobody else watches this process
         # A parent frozen during the join would hold this process forever: it dies at the deadline.
         with s.watchdog.phase(REJOIN_PHASE, s.args.rejoin.join_timeout_s):
-            s.ftc, pending = join_parent(p.inner, p.pp, p.dp, **callbacks)
+            # The members merge and send the header right after two stage agrees, which end within
+            # a failure detection. A join they abandoned leaves this process in Merge, which no
+            # revoke interrupts (Open MPI 5.0 allocates the merged communicator's id in a loop
+            # that does not look at failures): it dies at this shorter deadline instead.
+            with s.watchdog.phase(MEMBERS_WAIT_PHASE, members_wait_s(s.args)):
+                s.ftc, pending = join_parent(p.inner, p.pp, p.dp, **callbacks)
             payload = pending.payload
             s.started = payload["started"]
             s.step = s.last_step = payload["step"]
@@ -294,6 +299,15 @@ class Rejoin:
             joined = self._finish_join(pending)
         assert joined is not None  # an aborted join SIGKILLs a spawned process
         return joined
+
+
+MEMBERS_WAIT_PHASE = "rejoin: waiting for the members"
+
+
+def members_wait_s(args: Any) -> float:
+    """How long a spawned process waits for the members to merge with it and send the join's
+    header: several failure detections (at least 30 s), at most the join's own deadline."""
+    return min(args.rejoin.join_timeout_s, max(30.0, 6 * args.heartbeat_timeout_s))
 
 
 def spawn_command() -> list[str]:

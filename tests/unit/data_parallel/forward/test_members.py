@@ -1,0 +1,42 @@
+"""Members: who gives a stuck re-join up, and how long a spawned process waits for the members."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from nanotron_recover.config.recover import RecoverArgs
+from nanotron_recover.data_parallel.forward.members import REJOIN_PHASE, Members
+from nanotron_recover.data_parallel.forward.rejoin import members_wait_s
+from nanotron_recover.outcome import read_abandoned
+
+EXPIRED = f"watchdog: phase {REJOIN_PHASE!r} hung: open for 300.1s, deadline 300.000s"
+
+
+def state(tmp_path, joining: bool) -> SimpleNamespace:
+    # ftc None: a process whose join has not committed writes no failure record.
+    return SimpleNamespace(run_dir=tmp_path, generation=0, joining=joining, ftc=None)
+
+
+def test_a_member_stuck_in_a_join_gives_the_job_up(tmp_path):
+    Members(state(tmp_path, joining=False)).on_watchdog_expire(EXPIRED)
+    assert read_abandoned(tmp_path) is not None
+
+
+def test_a_spawned_process_past_its_deadline_does_not_give_the_job_up(tmp_path):
+    """It waited on the members (a join they abandoned): only it dies, the job goes on."""
+    Members(state(tmp_path, joining=True)).on_watchdog_expire(EXPIRED)
+    assert read_abandoned(tmp_path) is None
+
+
+@pytest.mark.parametrize(
+    ("heartbeat_timeout_s", "join_timeout_s", "expected"),
+    [(5.0, 300.0, 30.0), (10.0, 300.0, 60.0), (10.0, 45.0, 45.0)],
+)
+def test_a_spawned_process_waits_for_the_members_a_few_detections(
+    heartbeat_timeout_s, join_timeout_s, expected
+):
+    args = RecoverArgs(heartbeat_timeout_s=heartbeat_timeout_s)
+    args.rejoin.join_timeout_s = join_timeout_s
+    assert members_wait_s(args) == expected
