@@ -193,9 +193,29 @@ class ForwardRecovery:
         self.steps.attach()
 
     def agree_startup(self, error: str | None) -> str | None:
-        """Every rank's start-up went well, or every rank gets the first error (lowest rank)."""
-        errors = self.s.ftc.global_comm.allgather(error)
-        return next((e for e in errors if e is not None), None)
+        """Every rank's start-up went well, or every rank gets the first error (lowest rank).
+
+        A process lost while the job starts (a crash, or one the heartbeat declared dead by mistake
+        while a busy node imported and built) is repaired like any later failure: the survivors move
+        to a world without its replica and ask again. A rank that got through before the failure
+        surfaced is pulled into the same repair by its first step's reduction or agree."""
+        from ...ft.ulfm import MPI, is_fault
+
+        ftc = self.s.ftc
+        while True:
+            try:
+                errors = ftc.global_comm.allgather(error)
+                return next((e for e in errors if e is not None), None)
+            except MPI.Exception as exc:
+                if not is_fault(exc):
+                    raise
+                result = ftc.recover()  # raises AllReplicasFailed if none is left
+                if ftc.rank == min(ftc.alive_ranks):
+                    print(
+                        f"[nanotron-recover] replicas {list(result.failed_replicas)} lost while the job "
+                        f"started; going on with {len(result.alive_replicas)}",
+                        flush=True,
+                    )
 
     # -- the loop's questions --------------------------------------------------------------
     @_ends_here

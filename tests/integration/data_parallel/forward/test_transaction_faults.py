@@ -147,6 +147,27 @@ def test_rank_frozen_then_another_killed_from_outside(tmp_path, plain):
     assert not process_exists(frozen) and not process_exists(killed)
 
 
+def test_rank_killed_from_outside_while_the_job_starts(tmp_path, plain):
+    """The test SIGKILLs replica 3's rank as soon as the rank table exists: the job is still
+    starting (building the model, opening the data, agreeing that every rank started well). The
+    start-up is repaired like any later failure and the three replicas left sum the same B = 8
+    micro-batches from step 1 on: the plain curve, not a lost run."""
+    job = Job(tmp_path, W4 + recover())
+    victim = job.pid(3)
+    os.kill(victim, signal.SIGKILL)
+    killed_at_step = job.committed()
+    result = job.finish()
+    assert_completed(result, tmp_path)
+    assert_curve(tmp_path, plain)
+    assert_replicas_identical(tmp_path, [0, 1, 2])
+    assert read_metrics(tmp_path)[-1]["replicas"] == 3
+    repaired_at_start = "[3] lost while the job started; going on with 3" in result.output
+    in_step = [i for i in read_incidents(tmp_path) if i["failed_replicas"] == [3]]
+    assert repaired_at_start or in_step, result.output[-3000:]
+    assert not process_exists(victim)
+    print(f"killed before step {killed_at_step + 1}; repaired at start-up: {repaired_at_start}")
+
+
 # -- faults during checkpoint saves ---------------------------------------------------------------
 def assert_latest_checkpoint_sound(run_dir: Path, step: int) -> None:
     ckpts = run_dir / "checkpoints"
