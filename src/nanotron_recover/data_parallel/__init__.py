@@ -12,8 +12,8 @@ from .protocol import DataParallelMode, JoinedState, Parked, ReducedStep, Replic
 
 def build_data_parallel(cfg: Config, run_dir: Path) -> DataParallelMode:
     """The data-parallel mode the config asks for. The fault-tolerant one needs MPI started with the
-    heartbeat detector's parameters and the failure watch running (``train`` does that first thing,
-    before importing torch; a caller that did not is served here)."""
+    heartbeat detector's parameters and the failure watch running (``train`` does that before it
+    builds anything; a caller that did not is served here)."""
     if cfg.recover.forward:
         if "mpi4py.MPI" not in sys.modules:
             from ..ft.heartbeat import start_mpi

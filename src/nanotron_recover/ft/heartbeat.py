@@ -16,7 +16,9 @@ null address, the others then crashing in ``ompi_comm_revoke_local``) in 3 of 20
 and this project's :class:`~.watch.FailureWatch` thread, which polls MPI every 50 ms anyway, makes
 the progress: a rank computing for seconds outside MPI keeps heartbeating (without the watch, a rank
 computing 8 s was declared failed by its waiting observer; with it, 0 of 3). The watch is started
-right after ``MPI_Init``, before anything slow such as importing torch.
+right after ``MPI_Init``, before the job builds anything (the CLI has imported torch by then). A
+rank a busy node still starves past the timeout is repaired like any failure, also during start-up
+(``data_parallel/forward/mode.py``, ``agree_startup``).
 
 The detector is configured through MCA parameters, which MPI reads when it is initialized: the
 launcher passes them on the ``mpirun`` line, and each rank also sets them as environment defaults
@@ -53,8 +55,8 @@ def configure_heartbeat(period_s: float, timeout_s: float) -> None:
 
 def start_mpi(period_s: float, timeout_s: float) -> None:
     """Configure the detector, initialize MPI and start the failure watch (which carries the
-    heartbeats) now, before anything slow such as importing torch: a rank that spends seconds
-    importing without MPI progress would be declared failed by its observer."""
+    heartbeats) now, before the job builds its model, data and worlds: a rank that spends seconds
+    without MPI progress would be declared failed by its observer."""
     configure_heartbeat(period_s, timeout_s)
     from mpi4py import MPI
 
