@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -236,3 +238,31 @@ def test_every_rank_killed_from_outside_is_relaunched_and_goes_on(tmp_path, plai
     assert "relaunching it (generation 1" in result.output
     # Node memory is given back once the run completed.
     assert not list((tmp_path / "node_memory").rglob("*.bin"))
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare for a private tmpfs"
+)
+def test_a_snapshot_folder_without_room_costs_the_snapshots_not_the_job(tmp_path, plain):
+    """``recover.snapshot.dir`` on a tmpfs far too small for a rank's state (a container's 64 MiB
+    /dev/shm against a real model): every rank warns once that its snapshot is skipped and the job
+    trains every step as the plain run does. Before the slot's pages were reserved, every rank died
+    of SIGBUS at step 1."""
+    shm = tmp_path / "small_shm"
+    shm.mkdir()
+    extra = ["recover.enabled=true", *HEARTBEAT, *layout(1, 1, 2, 4), f"recover.snapshot.dir={shm}"]
+    launch = [
+        sys.executable,
+        "-m",
+        "nanotron_recover.cli",
+        *cli_args("launch", tmp_path, sets_for(tmp_path, extra)),
+    ]
+    script = f"mount -t tmpfs -o size=64k tmpfs {shm} && exec {shlex.join(launch)}"
+    result = run_process(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], timeout=300)
+
+    assert result.returncode == 0, result.output[-4000:]
+    assert_same_curve(read_metrics(tmp_path), plain)
+    warnings = [line for line in result.output.splitlines() if "warning: node snapshot skipped" in line]
+    assert len(warnings) == 2, warnings  # once per rank, not once per step
+    assert "MiB free" in warnings[0], warnings

@@ -49,7 +49,7 @@ from .members import Members
 from .rank_state import RankState
 from .rejoin import Rejoin
 from .restore import restore_from_snapshots, snapshot_layout_id, snapshot_run_id
-from .snapshots import NodeSnapshots
+from .snapshots import NodeSnapshots, SnapshotSkipped
 from .step import StepTransaction
 from .stops import StopJob, Stops
 
@@ -87,6 +87,7 @@ class ForwardRecovery:
         self.rejoin = Rejoin(s, self.members, self.incidents, self.stops)
         self.steps = StepTransaction(s, self.members, self.incidents, self.stops, self.rejoin)
         self.snapshots: NodeSnapshots | None = None
+        self._snapshot_warned = ""  # the last snapshot failure reported, not repeated every step
         self.relaunch: Relaunch | None = None  # this job's relaunch record, until its incident
         self.state_from: str | None = None  # where a relaunched job's state came from
         self.restored_at: float | None = None  # wall clock when a relaunched job had its state
@@ -184,8 +185,11 @@ class ForwardRecovery:
         keep = n.replicas_per_coordinate
         if keep is not None and s.ftc.alive_replicas.index(s.ftc.replica) >= keep:
             return
-        if store.error is not None:
-            print(f"[nanotron-recover] rank {s.ftc.rank}: node snapshot failed: {store.error}", flush=True)
+        if store.error is not None and str(store.error) != self._snapshot_warned:
+            # Said once per reason, not at every step: a full tmpfs stays full.
+            self._snapshot_warned = str(store.error)
+            what = "" if isinstance(store.error, SnapshotSkipped) else "node snapshot failed: "
+            print(f"[nanotron-recover] rank {s.ftc.rank}: warning: {what}{store.error}", flush=True)
         store.write(step, export=lambda: s.parts.engine.export_state(copy=False))
 
     def attach(self, parts: ReplicaParts) -> None:

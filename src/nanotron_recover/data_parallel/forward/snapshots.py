@@ -20,10 +20,19 @@ generation, layout id), written last with an atomic rename. A write goes into th
 first removes that slot's ``published.json``: a torn write (the node loses power, the process is
 killed) never destroys the newest published snapshot, and a slot without ``published.json`` is
 never read. A snapshot is read only if its run id and layout id are this run's.
+
+Room is reserved before a byte is written. A slot is a file mapped into memory; a write through a
+mapping into a file system that has run out of pages (a container's 64 MiB ``/dev/shm``, a node's
+tmpfs filled by another job) is not an error the write can return: the kernel sends SIGBUS and the
+rank dies. So the slot's pages are allocated first (``posix_fallocate``, after a ``statvfs`` check
+of the free space); a slot that does not fit is a skipped snapshot (:class:`SnapshotSkipped`, with
+the space needed and free), never a dead rank, and the job goes on with its older snapshots and the
+disk checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -39,6 +48,11 @@ import torch
 from ...engines.state import EngineState, dtype_from_name
 
 PUBLISHED = "published.json"
+
+
+class SnapshotSkipped(Exception):
+    """A snapshot not written because its slot does not fit (no room, or over ``max_mb``): the
+    job goes on, relaunches use an older snapshot or the disk checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -130,8 +144,8 @@ class NodeSnapshots:
         first); the slot."""
         nbytes = state.nbytes()
         if self.max_bytes is not None and nbytes > self.max_bytes:
-            raise MemoryError(
-                f"snapshot of {nbytes / 2**20:.1f} MiB exceeds recover.snapshot.max_mb "
+            raise SnapshotSkipped(
+                f"node snapshot skipped: {nbytes / 2**20:.1f} MiB exceeds recover.snapshot.max_mb "
                 f"({self.max_bytes / 2**20:.1f} MiB)"
             )
         mine = self._mine()
@@ -163,9 +177,10 @@ class NodeSnapshots:
             return mapped
         if mapped is not None:
             mapped.close()
+            del self._maps[path]
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
+            _reserve(fd, path, nbytes)
             mapped = mmap.mmap(fd, max(nbytes, 1))
         finally:
             os.close(fd)
@@ -240,6 +255,37 @@ class NodeSnapshots:
             mapped.close()
         self._maps.clear()
         shutil.rmtree(self.run_root, ignore_errors=True)
+
+
+def _reserve(fd: int, path: Path, nbytes: int) -> None:
+    """Size the open slot file ``fd`` to ``nbytes`` with every page allocated, or raise
+    :class:`SnapshotSkipped` (the file emptied again, so a failed reservation holds no memory).
+
+    A sparse file (``ftruncate`` alone) mapped and written into a full tmpfs kills the writer with
+    SIGBUS; pages reserved here can always be written."""
+    held = os.fstat(fd).st_blocks * 512
+    vfs = os.statvfs(path.parent)
+    free = vfs.f_bavail * vfs.f_frsize
+    if nbytes - held > free:
+        os.ftruncate(fd, 0)
+        raise SnapshotSkipped(
+            f"node snapshot skipped: it needs {nbytes / 2**20:.1f} MiB and {path.parent} has "
+            f"{(free + held) / 2**20:.1f} MiB free (raise the size of that file system, point "
+            "recover.snapshot.dir elsewhere, or set recover.snapshot.interval: 0)",
+        )
+    os.ftruncate(fd, nbytes)
+    if not nbytes:
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as error:
+        if error.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return  # a file system that cannot reserve: the free-space check above is all there is
+        os.ftruncate(fd, 0)
+        raise SnapshotSkipped(
+            f"node snapshot skipped: could not reserve {nbytes / 2**20:.1f} MiB in {path.parent} "
+            f"({os.strerror(error.errno or 0)})",
+        ) from error
 
 
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanotron_recover.data_parallel.forward.snapshots import NodeSnapshots
+from nanotron_recover.data_parallel.forward.snapshots import NodeSnapshots, SnapshotSkipped
 from nanotron_recover.engines.state import EngineState
 
 
@@ -72,7 +73,7 @@ def test_cap_and_export_errors_are_reported_not_raised(tmp_path):
     snaps = store(tmp_path, max_bytes=100)
     snaps.write(1, lambda: state_of(1))
     snaps.wait()
-    assert isinstance(snaps.error, MemoryError) and "recover.snapshot.max_mb" in str(snaps.error)
+    assert isinstance(snaps.error, SnapshotSkipped) and "recover.snapshot.max_mb" in str(snaps.error)
     assert snaps.available() == []
 
     def broken() -> EngineState:
@@ -164,3 +165,63 @@ def test_live_tensors_are_copied_before_the_state_may_change_and_each_slot_file_
         got = snaps.load(step)
         assert torch.equal(got.tensors["param/w"], torch.arange(1000, dtype=torch.float32) + 100 * (step - 1))
         assert torch.equal(got.tensors["exp_avg/w"], torch.ones(1000) + 100 * (step - 1))
+
+
+TINY_TMPFS_WRITER = textwrap.dedent(
+    """
+    import os, sys, torch
+    from nanotron_recover.data_parallel.forward import snapshots
+    from nanotron_recover.engines.state import EngineState
+    root = sys.argv[1]
+    store = snapshots.NodeSnapshots(root, "run-a", "tp1pp1", 0, 0)
+    small = EngineState({"param/w": torch.full((1000,), 1.0)}, {})
+    large = EngineState({"param/w": torch.full((2_000_000,), 2.0)}, {})  # 8 MB into 1 MiB
+    store.write(1, lambda: small, asynchronous=False)
+    store.write(2, lambda: large, asynchronous=False)
+    print("statvfs:", type(store.error).__name__, store.error, flush=True)
+    # Room that statvfs promised but is gone by the time the pages are taken (another writer on
+    # the node): the reservation itself must turn it into a skip.
+    plenty = os.statvfs_result((4096, 4096, 1 << 30, 1 << 30, 1 << 30, 0, 0, 0, 0, 255))
+    snapshots.os.statvfs = lambda path: plenty
+    store.write(3, lambda: large, asynchronous=False)
+    print("fallocate:", type(store.error).__name__, store.error, flush=True)
+    snapshots.os.statvfs = os.statvfs
+    store.write(4, lambda: small, asynchronous=False)
+    print("steps:", [p.step for p in store.available()], store.error, flush=True)
+    print("loaded:", float(store.load(4).tensors["param/w"].sum()), flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare for a private tmpfs"
+)
+def test_a_tmpfs_too_small_skips_the_snapshot_instead_of_killing_the_rank(tmp_path):
+    """A container's /dev/shm is 64 MiB: a slot larger than the room left must be a skipped
+    snapshot with a warning. Written through a sparse mapping it was a SIGBUS that killed the rank
+    at step 1. Here a 1 MiB tmpfs, mounted in a mount namespace of the test's own, takes an 8 MB
+    state."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (tmp_path / "writer.py").write_text(TINY_TMPFS_WRITER)
+    proc = subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            f"mount -t tmpfs -o size=1m tmpfs {shm} && exec {sys.executable} {tmp_path / 'writer.py'} {shm}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)  # -7 / 135: SIGBUS
+    lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines())
+    assert lines["statvfs"].startswith("SnapshotSkipped node snapshot skipped: it needs 7.6 MiB"), lines
+    assert lines["fallocate"].startswith("SnapshotSkipped node snapshot skipped: could not reserve"), lines
+    # The failed reservations hold no pages: the small snapshot fits again beside step 1.
+    assert lines["steps"] == "[4, 1] None", lines
+    assert lines["loaded"] == "1000.0", lines
