@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ...failures import Kind, incident_kind
+from ...failures import Kind, Phase, incident_kind
 from ...ft.records import read_records
 from ...ft.world import RecoveryResult
 from ...generation import Relaunch
@@ -103,6 +103,11 @@ class Incidents:
     def _detect(self, inc: Incident) -> tuple[float | None, str]:
         """(detect_s, method) of an incident, from the per-replica views reduced in the bookkeeping."""
         s, alive = self.s, self.s.ftc.alive_replicas
+        if inc.phase == Phase.START:  # repaired before the step: the step's views are not its own
+            began, surfaced = [inc.result.detected_at - inc.result.detect_s], [inc.result.detected_at]
+            if inc.failed_at is not None:
+                return max(0.0, surfaced[0] - inc.failed_at), "record"
+            return max(0.0, surfaced[0] - began[0]), "first_wait"
         began = [float(s.bookkeeping[2 * s.B + r]) for r in alive]
         surfaced = [float(s.bookkeeping[2 * s.B + s.W + r]) for r in alive]
         began = [b for b in began if b > 0] or [inc.result.detected_at - inc.result.detect_s]

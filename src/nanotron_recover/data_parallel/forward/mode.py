@@ -214,6 +214,12 @@ class ForwardRecovery:
                 if not is_fault(exc):
                     raise
                 result = ftc.recover()  # raises AllReplicasFailed if none is left
+                # An incident like any other, written with the first commit; a process declared
+                # dead by mistake is fenced off the run directory like one lost later.
+                incident, _ = self.incidents.of_recovery(self.s.step + 1, result)
+                incident.phase = Phase.START
+                self.steps.carried.append(incident)
+                self.members.fence(result.failed_ranks)
                 if ftc.rank == min(ftc.alive_ranks):
                     print(
                         f"[nanotron-recover] replicas {list(result.failed_replicas)} lost while the job "

@@ -86,6 +86,7 @@ class StepTransaction:
         self.store_gate: StoreGate | None = None  # the gate off gloo, one per torch world
         self.computing: tuple[int, ...] = ()
         self.current_id: int | None = None
+        self.carried: list[Incident] = []  # repaired before the next step began: written with it
 
     def attach(self) -> None:
         """Buckets over the engine's gradient buffer and the bookkeeping vector (after attach)."""
@@ -122,6 +123,8 @@ class StepTransaction:
             state = StepState(plan=adaptive_plan(step - 1, s.B, s.W, alive))
         else:
             state = StepState(plan=steady_plan(step - 1, s.B, alive, s.args.spares))
+        state.incidents.extend(self.carried)  # failures before the step (the job's start)
+        self.carried.clear()
         self.reduction.reset()
         s.last_failure_view = (0.0, 0.0)
         mine = state.plan.assignments[s.ftc.replica]
