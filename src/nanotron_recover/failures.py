@@ -21,6 +21,8 @@ Kinds (:class:`Kind`), what a rank knows about why a replica was lost or the job
 - ``rejoin``: an incident of the re-join (joined, failed, given up), never a failure record.
 - ``node_lost``, ``job_lost``: the job was relaunched inside its allocation, after a host was lost
   (the runtime ends the whole job then) or after every replica was lost; never a failure record.
+- ``stalled``: the job was relaunched by its supervisor after no step committed within its
+  deadline (``commit_deadline.py``); never a failure record.
 
 Phases (:class:`Phase`), where a rank is in a step: the ones a fault can be injected at
 (:data:`INJECTABLE_PHASES`) and the ones a rank reports when it leaves.
@@ -62,6 +64,7 @@ class Kind(_Name):
     REJOIN = "rejoin"
     NODE_LOST = "node_lost"  # the job was relaunched after a host was lost
     JOB_LOST = "job_lost"  # the job was relaunched after every replica was lost, no host lost
+    STALLED = "stalled"  # the job was relaunched after no step committed within its deadline
 
 
 class Phase(_Name):

@@ -15,6 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from .commit_deadline import DeadlineArgs
 from .config import Config, load_config
 from .errors import InputError
 from .ft.heartbeat import heartbeat_mca
@@ -174,5 +175,6 @@ def launch(
             relaunches=cfg.recover.max_restarts,
             replica_size=cfg.parallelism.replica_size,
             min_replicas=cfg.recover.min_replicas,
+            deadline=DeadlineArgs.from_recover(cfg.recover),
         )
     return supervise(cmd, run_dir, grace_s=grace_s, target_step=target, env=launch_env())

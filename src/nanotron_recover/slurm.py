@@ -272,6 +272,13 @@ def render_sbatch(
         "RELAUNCHES": str(cfg.recover.max_restarts if cfg.recover.forward else 0),
         "REPLICA_SIZE": str(cfg.parallelism.replica_size),
         "MIN_REPLICAS": str(cfg.recover.min_replicas),
+        # A job that commits no step within its deadline is ended and relaunched (commit_deadline.py).
+        "DEADLINE_FLAGS": f"--heartbeat-timeout-s {cfg.recover.heartbeat_timeout_s:g}"
+        + (
+            ""
+            if cfg.recover.commit_timeout_s is None
+            else f" --commit-timeout-s {cfg.recover.commit_timeout_s:g}"
+        ),
         "NCCL_TIMEOUT_S": str(int(max(cfg.recover.watchdog_timeout_s or 600, cfg.recover.gate_timeout_s))),
         "WANDB_ENV": _wandb_env(wandb),
         "CONFIG": shlex.quote(config_path),

@@ -35,6 +35,11 @@ before that would die again) or lost one more host (a node lost while the job re
 anything is started once more (a rank declared dead by mistake while busy nodes import, or a rank
 lost then, costs a start, not the run); a second such loss in a row ends the run.
 
+A job may also stall: no step commits, because a member is stuck where no rank-level deadline can
+end it without taking a healthy replica down (``commit_deadline.py``). Under forward recovery the
+supervisor ends a job that has committed nothing for a bound derived from its measured steps and
+relaunches it like a lost one (incident kind ``stalled``): no stuck member can hold the job.
+
 ``python -m nanotron_recover.supervisor supervise --run-dir D [--relaunches N] -- CMD...`` runs
 the supervisor around any command; the Slurm job script uses it that way.
 """
@@ -52,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .commit_deadline import CommitWatch, DeadlineArgs, Stalled
 from .errors import ExitCode
 from .failures import Kind
 from .generation import Relaunch, clear_relaunch, write_relaunch
@@ -103,6 +109,8 @@ class Supervised:
     ended: list[str] = field(default_factory=list)  # "pid N (name)" of leftovers the supervisor ended
     interrupted_by: int | None = None  # a SIGINT/SIGTERM from the user, forwarded to the command
     exited_at: float | None = None  # wall clock when the command exited (or was ended)
+    stalled: Stalled | None = None  # the supervisor ended a job that stopped committing steps
+    start_s: float | None = None  # from the launch to its first commit (None: no commit)
 
 
 def _log(prefix: str) -> Callable[[str], None]:
@@ -206,9 +214,13 @@ def run_supervised(
     log: Callable[[str], None] | None = None,
     term_wait_s: float = TERM_WAIT_S,
     linger_s: float = LINGER_S,
+    deadline: DeadlineArgs | None = None,
+    previous_start_s: float | None = None,
 ) -> Supervised:
     """Run ``cmd`` (usually mpirun) in a session of its own until it exits, or until ``grace_s``
-    after the run recorded that it completed; then end whatever of it is left.
+    after the run recorded that it completed; then end whatever of it is left. With ``deadline``,
+    a job that commits no step within its bound (``commit_deadline.py``) is ended too
+    (:attr:`Supervised.stalled`).
 
     The outcome record of an earlier launch is cleared first, so only this run's counts. Raises
     :class:`subprocess.TimeoutExpired` (after ending the session) when ``timeout_s`` passes.
@@ -220,6 +232,8 @@ def run_supervised(
     received: list[int] = []
     env = dict(os.environ if env is None else env)
     env[SUPERVISED_ENV] = "1"
+    watch = CommitWatch(run_dir, deadline or DeadlineArgs(fixed_s=0), previous_start_s)
+    stalled: Stalled | None = None
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     previous = _install_forwarding(proc, received)
     started = time.monotonic()
@@ -248,6 +262,13 @@ def run_supervised(
                 log(
                     f"the job gave itself up ({abandoned.get('reason')}): ended {', '.join(ended) or 'mpirun'}"
                 )
+                break
+            stalled = watch.poll(now) if recorded_at is None and read_outcome(run_dir) is None else None
+            if stalled is not None:
+                # A member stuck where no deadline of its own may end it: the job is relaunched.
+                exited_at = time.time()
+                ended = end_session(proc, term_wait_s)
+                log(f"the job stalled, {stalled.describe()}: ended {', '.join(ended) or 'mpirun'}")
                 break
             if recorded_at is None:
                 # Only a completed run: a stopped record may come from one rank while the others
@@ -284,6 +305,8 @@ def run_supervised(
         ended=ended,
         interrupted_by=received[0] if received else None,
         exited_at=exited_at,
+        stalled=stalled,
+        start_s=watch.start_s,
     )
 
 
@@ -391,17 +414,22 @@ def run_relaunching(
     prefix: str = PREFIX,
     replica_size: int = 1,
     min_replicas: int = 1,
+    deadline: DeadlineArgs | None = None,
 ) -> int:
     """Forward recovery's supervisor: :func:`run_supervised`, and while the job ends without an
-    outcome record (or with an ``all_replicas_lost`` one) after committing a new step (or after one more host was lost), relaunch it (at most ``relaunches`` times) on the
-    hosts that still answer (``hosts``, default: the Slurm allocation, if any), with as many whole
-    replicas of ``replica_size`` ranks as they hold (at least ``min_replicas``); the exit status."""
+    outcome record (or with an ``all_replicas_lost`` one, or stalled past ``deadline``) after
+    committing a new step (or after one more host was lost), relaunch it (at most ``relaunches``
+    times) on the hosts that still answer (``hosts``, default: the Slurm allocation, if any), with
+    as many whole replicas of ``replica_size`` ranks as they hold (at least ``min_replicas``); the
+    exit status."""
     log = _log(prefix)
     hosts = HostPlan.from_slurm() if hosts is None else hosts
     clear_relaunch(run_dir)
     generation, before, launch_cmd = 0, last_committed_step(run_dir), cmd
     lost_before: list[str] = []
     retried_start = False  # the last launch was a retried start (which is not retried again)
+    start_s: float | None = None  # the last measured start: a relaunch's own start is bounded by it
+    deadline = deadline or DeadlineArgs()
     while True:
         # A job lost with a node leaves steps (srun) that SIGTERM cannot end: no long waits for them.
         result = run_supervised(
@@ -413,7 +441,10 @@ def run_relaunching(
             log=log,
             term_wait_s=RELAUNCH_TERM_WAIT_S,
             linger_s=RELAUNCH_LINGER_S,
+            deadline=deadline,
+            previous_start_s=start_s,
         )
+        start_s = result.start_s or start_s
         # A job lost as a whole, with no record or with a rank's all_replicas_lost record, may be
         # relaunched; any other record is how the run ended.
         if not is_lost_job(result.outcome) or result.interrupted_by is not None:
@@ -451,16 +482,20 @@ def run_relaunching(
             launch_cmd = relaunch_command(cmd, answering, ranks)
             width = f", {ranks // replica_size} replica(s) on {', '.join(answering)}"
         generation += 1
-        cause = Kind.NODE_LOST if lost else Kind.JOB_LOST
+        cause = Kind.NODE_LOST if lost else Kind.STALLED if result.stalled else Kind.JOB_LOST
         cleanup_s = max(0.0, probe_start - ended_at)
         relaunch = Relaunch(
             generation, cause, ended_at, after, lost, answering, cleanup_s, probe_s, time.time()
         )
         write_relaunch(run_dir, relaunch)
         what = f"hosts {', '.join(lost)} lost" if lost else "every replica lost"
+        if result.stalled is not None and not lost:
+            what = "stalled: no step committed within its bound"
         if start_retry:
             what += ", before a first commit: its start is retried once"
         ended = "without an outcome" if result.outcome is None else "with every replica lost"
+        if result.stalled is not None:
+            ended = "by the supervisor"
         log(
             f"the job ended {ended} after step {after} ({what}): relaunching it "
             f"(generation {generation}{width}, {relaunches - generation} relaunches left)"
@@ -511,6 +546,19 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="no relaunch with fewer replicas than this (recover.min_replicas; default: %(default)s)",
     )
+    p.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=5.0,
+        help="recover.heartbeat_timeout_s: the commit deadline allows two for a repair (default: %(default)s)",
+    )
+    p.add_argument(
+        "--commit-timeout-s",
+        type=float,
+        default=None,
+        help="recover.commit_timeout_s: end and relaunch a job that commits no step for this long "
+        "(default: derived from the measured steps; 0: never)",
+    )
     args = parser.parse_args(own)
     if not cmd:
         p.error("no command after --")
@@ -526,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
             prefix=args.prefix,
             replica_size=args.replica_size,
             min_replicas=args.min_replicas,
+            deadline=DeadlineArgs(allowance_s=2 * args.heartbeat_timeout_s, fixed_s=args.commit_timeout_s),
         )
     return supervise(
         cmd, args.run_dir, grace_s=args.grace_s, target_step=args.target_step, prefix=args.prefix

@@ -266,3 +266,31 @@ def test_a_snapshot_folder_without_room_costs_the_snapshots_not_the_job(tmp_path
     warnings = [line for line in result.output.splitlines() if "warning: node snapshot skipped" in line]
     assert len(warnings) == 2, warnings  # once per rank, not once per step
     assert "MiB free" in warnings[0], warnings
+
+
+@pytest.mark.mpi
+def test_a_job_frozen_whole_is_relaunched_on_the_commit_deadline(tmp_path, plain):
+    """Every rank SIGSTOPped from outside after step 4 (a frozen node that holds the whole job, or
+    members stuck where no rank-level deadline may end them): no rank is left to notice, mpirun
+    waits forever. The supervisor sees no commit within ``recover.commit_timeout_s``, ends the
+    job's session (the frozen processes included) and relaunches it from node memory; the run
+    completes with the plain curve and one ``stalled`` incident."""
+    extra = ["recover.enabled=true", *HEARTBEAT, *layout(1, 1, 2, 4), "recover.commit_timeout_s=12"]
+    job = BackgroundJob(tmp_path, cli_args("launch", tmp_path, sets_for(tmp_path, extra)))
+    job.wait_until(lambda: job.committed() >= 4, "step 4")
+    pids = [r["pid"] for r in json.loads((tmp_path / "ranks.json").read_text())]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    frozen_after = job.committed()
+    result = job.finish()
+
+    assert result.returncode == 0, result.output[-4000:]
+    assert "the job stalled, no step committed for" in result.output, result.output[-4000:]
+    assert_same_curve(read_metrics(tmp_path), plain)
+    assert_replicas_identical(tmp_path, [0, 1])
+    assert not any(process_exists(p) for p in pids)  # the frozen processes were ended
+    stalled = [i for i in read_incidents(tmp_path) if i["kind"] == "stalled"]
+    assert len(stalled) == 1, read_incidents(tmp_path)
+    (incident,) = stalled
+    assert incident["generation"] == 1 and incident["state_from"] == "snapshot"
+    assert frozen_after - 1 <= incident["restored_step"] <= frozen_after

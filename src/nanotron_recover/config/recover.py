@@ -208,6 +208,11 @@ class RecoverArgs:
     # Relaunches of the whole job before giving up: checkpoint_restart after any failure; forward
     # after a lost node (or a job that lost every replica), from the node-memory snapshots.
     max_restarts: int = 100
+    # Forward recovery: the supervisor ends and relaunches (from node memory) a job that commits no
+    # step for this many seconds, whatever holds it (null: a bound derived from the measured step
+    # time, the longest save, two heartbeat timeouts and the launch's start-up, at least 60 s;
+    # 0: never). No stuck member can hold the job longer (commit_deadline.py).
+    commit_timeout_s: float | None = None
     # The DP reduction runs in buckets of this size; each bucket is snapshotted before it is reduced.
     bucket_size_mb: float = 25.0
     # How a torn bucket is restored: blocking copy, or (CUDA) on a side stream overlapped with the
@@ -282,6 +287,11 @@ class RecoverArgs:
                 )
         if self.max_restarts < 0:
             raise ConfigError("recover.max_restarts must be >= 0")
+        if self.commit_timeout_s is not None and not self.commit_timeout_s >= 0:
+            raise ConfigError(
+                f"recover.commit_timeout_s must be >= 0 (0: never), or null for a bound derived from "
+                f"the measured steps, got {self.commit_timeout_s}"
+            )
         if (self.faults or self.random_faults is not None) and not self.enabled:
             raise ConfigError("recover.faults / recover.random_faults need recover.enabled: true")
         if self.checkpoint_restart:
