@@ -129,6 +129,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.out), steps=args.steps)
 
 
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from .chaos.command import run_chaos
+
+    return run_chaos(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanotron-recover", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -213,6 +219,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("new", metavar="NEW_FOLDER", help="Nanoset folder to write (new or without *.ds files)")
     p.add_argument("--tokenizer", help="tokenizer name for the metadata (default: index.json's)")
     p.set_defaults(func=cmd_convert_corpus)
+
+    from .chaos.command import add_chaos_arguments
+
+    p = sub.add_parser(
+        "chaos",
+        help="a fault campaign: a seeded schedule of faults sent to a real job, judged against the plain run",
+    )
+    add_chaos_arguments(p)
+    p.set_defaults(func=cmd_chaos)
     return parser
 
 

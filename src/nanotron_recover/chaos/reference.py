@@ -1,0 +1,112 @@
+"""The fault-free reference a chaos campaign is judged against: the plain run of the same config.
+
+The step contract makes a step's loss a function of the config only: step ``s`` sums micro-batches
+``(s-1)*B .. s*B-1``, whatever the layout. So the reference is the cheapest run with the same
+``B``: one process (tp = pp = dp = 1, ``B`` accumulation steps), forward recovery off (plain mode),
+no injected faults, its own checkpoint folder. ``recover.exact`` is kept: with it on, the campaign's
+job must match the reference bit for bit.
+
+A reference is reused when one with the same key (the config file's bytes and the overrides the
+reference runs with) completed before in the same folder: ``chaos_reference.json`` records the
+key, and its ``metrics.jsonl`` must hold every step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ..config import Config
+from ..errors import InputError
+from ..logging.metrics import read_metrics
+
+RECORD = "chaos_reference.json"
+
+
+def reference_sets(cfg: Config, sets: list[str], checkpoints: Path) -> list[str]:
+    """The campaign's overrides, then what makes the same trajectory a one-process plain run."""
+    sets = [s for s in sets if not s.startswith(("recover.faults", "recover.random_faults"))]
+    p = cfg.parallelism
+    layout = ["parallelism.tp=1", "parallelism.pp=1", "parallelism.dp=1"]
+    if getattr(p, "dp_shard", 1) != 1:
+        layout.append("parallelism.dp_shard=1")
+    return [
+        *sets,
+        *layout,
+        f"tokens.batch_accumulation_per_replica={cfg.microbatches_per_step}",
+        "recover.enabled=false",
+        "recover.rejoin.mode=off",
+        "recover.faults=[]",
+        "recover.random_faults=null",
+        f"checkpoints.checkpoints_path={checkpoints}",
+        "checkpoints.checkpoint_interval=0",
+        "checkpoints.resume_checkpoint_path=null",
+    ]
+
+
+def reference_key(config: Path, sets: list[str]) -> str:
+    h = hashlib.sha256(Path(config).read_bytes())
+    h.update(json.dumps(sets).encode())
+    return h.hexdigest()[:16]
+
+
+def _complete(ref_dir: Path, key: str, steps: int) -> bool:
+    try:
+        record = json.loads((ref_dir / RECORD).read_text())
+        metrics = read_metrics(ref_dir)
+    except (OSError, ValueError):
+        return False
+    return record.get("key") == key and [r["step"] for r in metrics] == list(range(1, steps + 1))
+
+
+def ensure_reference(
+    config: Path,
+    cfg: Config,
+    sets: list[str],
+    ref_root: Path,
+    *,
+    timeout_s: float,
+) -> tuple[Path, bool]:
+    """The reference run's folder (run now, or reused when complete with the same key) and whether
+    it was reused. ``ref_root/<key>`` holds it."""
+    steps = cfg.tokens.train_steps
+    probe = reference_sets(cfg, sets, Path("CHECKPOINTS"))
+    key = reference_key(config, probe)
+    ref_dir = (ref_root / key).resolve()
+    if _complete(ref_dir, key, steps):
+        return ref_dir, True
+    if ref_dir.exists():
+        for name in ("metrics.jsonl", "outcome.json", RECORD):
+            (ref_dir / name).unlink(missing_ok=True)
+    ref_dir.mkdir(parents=True, exist_ok=True)
+    ref_sets = reference_sets(cfg, sets, ref_dir / "checkpoints")
+    cmd = [sys.executable, "-m", "nanotron_recover.cli", "train", "--config", str(config)]
+    cmd += ["--run-dir", str(ref_dir)] + [a for s in ref_sets for a in ("--set", s)]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with open(ref_dir / "reference.log", "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            raise InputError(
+                f"the plain reference run did not finish in {timeout_s:g} s ({ref_dir})"
+            ) from None
+    if rc != 0 or not _complete_steps(ref_dir, steps):
+        tail = (ref_dir / "reference.log").read_text(errors="replace")[-2000:]
+        raise InputError(f"the plain reference run failed (exit {rc}), see {ref_dir}/reference.log:\n{tail}")
+    (ref_dir / RECORD).write_text(json.dumps({"key": key, "sets": ref_sets, "config": str(config)}) + "\n")
+    return ref_dir, False
+
+
+def _complete_steps(ref_dir: Path, steps: int) -> bool:
+    try:
+        return [r["step"] for r in read_metrics(ref_dir)] == list(range(1, steps + 1))
+    except (OSError, ValueError, KeyError):
+        return False

@@ -1,0 +1,276 @@
+"""Judging a chaos campaign: what the job did about each fault, and whether it still trained the
+fault-free run. Writes ``chaos.json`` and ``chaos.md``.
+
+Per fault (``faults``): its kind, target (rank, replica, pid of each signal), the step it was
+scheduled for and the step in progress when it was sent, what the job did -- the incidents the job
+recorded between this fault and the next one (``incidents.jsonl``: kind and action of a repair, a
+re-join's status, a relaunch's generation from ``generation.json``), the time from the fault to the
+next commit and to the next commit at full width, and the steps redone (a relaunch's
+``steps_redone``, or the drop of the last committed step the runner saw).
+
+Totals: the share of the wall time (first to last commit) spent at full width (``replicas`` equal to
+the initial ``dp``), relaunches, failed and given-up re-joins, healthy ranks declared dead (a rank in
+an incident's ``failed_ranks`` whose replica no fault of that window struck, or any before the first
+fault), the launch's exit status, the final width, and equality with the plain run: every step
+1..N committed with the reference's ``ids_digest`` and a loss within 1e-5 relative (bit for bit,
+loss and grad norm, with ``recover.exact``), the comparison :mod:`..compare` makes.
+
+The campaign's own exit status (:func:`verdict`): 0 only when the job exited 0, equals the plain
+run and did not hang, and every fault was sent; 3 for a hang; 1 for a job that failed or left the
+fault-free curve; 4 when the job was fine but some faults could not be sent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+from pathlib import Path
+from typing import Any
+
+from ..compare import compare_pair, load_run
+from .runner import CampaignRun
+from .schedule import Schedule
+
+REL_TOL = 1e-5
+JOB_KINDS = ("rejoin", "node_lost", "job_lost")  # incidents that are not a rank's failure
+
+
+def compare_with_reference(run_dir: Path, ref_dir: Path, steps: int, exact: bool) -> dict[str, Any]:
+    """Every step 1..steps in both runs, the same ids, the loss within REL_TOL (equal with exact)."""
+    ref, job = load_run(ref_dir), load_run(run_dir)
+    c = compare_pair(ref, job)
+    want = list(range(1, steps + 1))
+    missing = [s for s in want if s not in job.steps]
+    mismatched_ids = [
+        s for s in want if s in job.steps and job.steps[s].get("ids_digest") != ref.steps[s].get("ids_digest")
+    ]
+    loss_off = []
+    for s in want:
+        if s not in job.steps:
+            continue
+        a, b = ref.steps[s].get("loss"), job.steps[s].get("loss")
+        if exact:
+            bad = a != b or ref.steps[s].get("grad_norm") != job.steps[s].get("grad_norm")
+        else:
+            bad = not isinstance(b, (int, float)) or not math.isclose(a, b, rel_tol=REL_TOL, abs_tol=0.0)
+        if bad:
+            loss_off.append(s)
+    return {
+        "reference": str(ref_dir),
+        "steps": len(job.steps),
+        "missing_steps": missing,
+        "ids_mismatch_steps": mismatched_ids,
+        "loss_mismatch_steps": loss_off,
+        "max_abs_loss_diff": c.max_abs_loss_diff,
+        "max_rel_loss_diff": c.max_rel_loss_diff,
+        "tolerance": "bitwise (recover.exact)" if exact else f"{REL_TOL:g} relative",
+        "equal": not missing and not mismatched_ids and not loss_off and sorted(job.steps) == want,
+    }
+
+
+def full_width_share(metrics: list[dict[str, Any]], dp: int) -> float | None:
+    """Share of the wall time from the first to the last commit spent at full width: the time
+    before a commit counts at that commit's width."""
+    timed = [r for r in metrics if isinstance(r.get("time"), (int, float))]
+    if len(timed) < 2:
+        return None
+    total = timed[-1]["time"] - timed[0]["time"]
+    full = sum(
+        b["time"] - a["time"] for a, b in zip(timed, timed[1:], strict=False) if b.get("replicas") == dp
+    )
+    return full / total if total > 0 else None
+
+
+def _describe_incident(i: dict[str, Any]) -> str:
+    kind = i.get("kind")
+    if kind == "rejoin":
+        extra = f" ({i['reason']})" if i.get("reason") else ""
+        return f"rejoin {i.get('status')} @{i.get('step')}{extra}"
+    if kind in ("node_lost", "job_lost"):
+        return f"{kind} -> generation {i.get('generation')} from {i.get('state_from')} @{i.get('step')}"
+    return (
+        f"{kind} in {i.get('phase')} @{i.get('step')} replicas {i.get('failed_replicas')} ({i.get('action')})"
+    )
+
+
+def judge(
+    *,
+    run: CampaignRun,
+    schedule: Schedule,
+    run_dir: Path,
+    ref_dir: Path | None,
+    dp: int,
+    replica_size: int,
+    steps: int,
+    exact: bool,
+    replay_cmd: str,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The campaign's record (what ``chaos.json`` holds)."""
+    watch = run.watch
+    assert watch is not None
+    incidents = list(watch.incidents)
+    metrics = list(watch.metrics.records)
+    sent = run.sent
+    faults = []
+    healthy_dead: list[dict[str, Any]] = []
+    starts = [f["incidents_before"] for f in sent] + [len(incidents)]
+    for i, incident in enumerate(incidents[: starts[0]] if sent else incidents):
+        if incident.get("kind") not in JOB_KINDS and incident.get("failed_ranks"):
+            healthy_dead.append({"incident": i, "ranks": incident["failed_ranks"], "before_any_fault": True})
+    for n, f in enumerate(sent):
+        window = incidents[starts[n] : starts[n + 1]]
+        struck = {s["replica"] for s in f["signals"] if s["sent"] and s["replica"] is not None}
+        if f["kind"] == "kill_all":
+            struck = set(range(dp))
+        for k, incident in enumerate(window):
+            if incident.get("kind") in JOB_KINDS:
+                continue
+            unexplained = [r for r in incident.get("failed_ranks", []) if r // replica_size not in struck]
+            if unexplained:
+                healthy_dead.append({"incident": starts[n] + k, "ranks": unexplained, "fault": f["index"]})
+        sent_at = f.get("sent_at")
+        full = None
+        if sent_at is not None:
+            full = next((c for c in watch.commits if c.time > sent_at and c.replicas == dp), None)
+        relaunches = [i for i in window if i.get("kind") in ("node_lost", "job_lost")]
+        redone = sum(int(i.get("steps_redone", 0)) for i in relaunches)
+        drops = [(a, b) for at, a, b in watch.step_drops if sent_at is not None and at > sent_at]
+        if not redone and drops and relaunches:
+            redone = max(a - b for a, b in drops)
+        faults.append(
+            {
+                **{k: v for k, v in f.items() if k not in ("incidents_before", "generation_before")},
+                "target": [
+                    {k: s[k] for k in ("rank", "replica", "pid")} | {"signal": signal.Signals(s["sig"]).name}
+                    for s in f["signals"]
+                    if s["sent"]
+                ],
+                "reaction": [_describe_incident(i) for i in window],
+                "incident_kinds": [i.get("kind") for i in window],
+                "relaunches": [i.get("generation") for i in relaunches],
+                "to_full_width_s": (full.time - sent_at)
+                if full is not None and sent_at is not None
+                else None,
+                "steps_redone": redone,
+            }
+        )
+    comparison = (
+        compare_with_reference(run_dir, ref_dir, steps, exact) if ref_dir is not None and metrics else None
+    )
+    rejoins = [i for i in incidents if i.get("kind") == "rejoin"]
+    totals = {
+        "faults_planned": len(schedule.faults),
+        "faults_sent": sum(1 for f in sent if f.get("sent_at") is not None),
+        "faults_with_reaction": sum(1 for f in faults if f["reaction"]),
+        "wall_s": run.ended_at - run.started_at,
+        "full_width_share": full_width_share(metrics, dp),
+        "initial_replicas": dp,
+        "final_replicas": metrics[-1].get("replicas") if metrics else None,
+        "last_step": metrics[-1]["step"] if metrics else 0,
+        "target_step": steps,
+        "relaunches": sum(1 for i in incidents if i.get("kind") in ("node_lost", "job_lost")),
+        "generation": watch.generation,
+        "rejoins_joined": sum(1 for i in rejoins if i.get("status") == "joined"),
+        "rejoins_failed": sum(1 for i in rejoins if i.get("status") == "failed"),
+        "rejoins_given_up": sum(1 for i in rejoins if i.get("status") == "given_up"),
+        "healthy_ranks_declared_dead": sum(len(h["ranks"]) for h in healthy_dead),
+        "exit_status": run.exit_code,
+        "outcome": watch.outcome,
+        "hang": run.hang,
+        "equal_to_plain": bool(comparison and comparison["equal"]),
+        "frozen_left_behind": run.left_behind,
+    }
+    record = {
+        "schedule": schedule.to_dict(),
+        "replay": replay_cmd,
+        "launch": " ".join(run.launch_cmd),
+        "faults": faults,
+        "unsent": run.unsent,
+        "healthy_declared_dead": healthy_dead,
+        "comparison": comparison,
+        "incidents": incidents,
+        "totals": totals,
+        **(extra or {}),
+    }
+    record["exit_status"], record["verdict"] = verdict(totals, run)
+    return record
+
+
+def verdict(totals: dict[str, Any], run: CampaignRun) -> tuple[int, str]:
+    """The campaign's exit status and why (see the module)."""
+    if totals["hang"] is not None:
+        return 3, f"hang: {totals['hang']['message']}"
+    if totals["exit_status"] != 0:
+        return 1, f"the job exited {totals['exit_status']}"
+    if not totals["equal_to_plain"]:
+        return 1, "the job did not train the plain run's steps"
+    if run.unsent:
+        return 4, f"{len(run.unsent)} fault(s) not sent: {run.unsent[0]['why']}"
+    return 0, "the job exited 0, trained the plain run's steps and never hung"
+
+
+def _num(value: Any, fmt: str = "{:.2f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def markdown(record: dict[str, Any]) -> str:
+    t = record["totals"]
+    lines = [
+        "# Chaos campaign",
+        "",
+        f"Verdict: **exit {record['exit_status']}**: {record['verdict']}.",
+        "",
+        f"Replay: `{record['replay']}`",
+        "",
+        "| # | kind | target (rank/replica, signal) | scheduled step | struck step | what the job did | "
+        "fault -> next commit (s) | -> full width (s) | steps redone | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for f in record["faults"]:
+        target = ", ".join(f"{s['rank']}/{s['replica']} {s['signal']}" for s in f["target"]) or "-"
+        windows = [s.get("in_window") for s in f["signals"] if "in_window" in s]
+        notes = list(f.get("notes", []))
+        if windows:
+            notes.append("in window" if all(windows) else "missed its window")
+        if f.get("role"):
+            notes.append(f"role {f['role']}")
+        lines.append(
+            f"| {f['index']} | {f['kind']} | {target} | {f['scheduled_step']} | {f.get('step', '-')} | "
+            f"{'; '.join(f['reaction']) or 'nothing recorded'} | {_num(f.get('to_next_commit_s'))} | "
+            f"{_num(f.get('to_full_width_s'))} | {f['steps_redone']} | {'; '.join(notes)} |"
+        )
+    for u in record["unsent"]:
+        lines.append(
+            f"| {u['index']} | {u['kind']} | - | {u['scheduled_step']} | not sent | {u['why']} | - | - | - | |"
+        )
+    c = record["comparison"] or {}
+    lines += [
+        "",
+        "| total | value |",
+        "|---|---|",
+        f"| faults sent / planned | {t['faults_sent']} / {t['faults_planned']} |",
+        f"| faults with a recorded reaction | {t['faults_with_reaction']} |",
+        f"| wall time | {t['wall_s']:.1f} s |",
+        f"| share of wall time at full width ({t['initial_replicas']} replicas) | {_num(t['full_width_share'], '{:.1%}')} |",
+        f"| final replicas | {t['final_replicas']} |",
+        f"| relaunches | {t['relaunches']} |",
+        f"| re-joins joined / failed / given up | {t['rejoins_joined']} / {t['rejoins_failed']} / {t['rejoins_given_up']} |",
+        f"| healthy ranks declared dead | {t['healthy_ranks_declared_dead']} |",
+        f"| exit status of the job | {t['exit_status'] if t['exit_status'] is not None else 'ended by the runner'} |",
+        f"| last step / target | {t['last_step']} / {t['target_step']} |",
+        f"| equal to the plain run ({c.get('tolerance', '-')}) | {'yes' if t['equal_to_plain'] else 'no'} "
+        f"(max rel loss diff {_num(c.get('max_rel_loss_diff'), '{:.2e}')}) |",
+        f"| hang | {t['hang']['message'] if t['hang'] else 'none'} |",
+        f"| frozen processes left behind | {len(t['frozen_left_behind'])} |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(record: dict[str, Any], out: Path) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    js, md = out / "chaos.json", out / "chaos.md"
+    js.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    md.write_text(markdown(record))
+    return js, md
