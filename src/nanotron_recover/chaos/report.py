@@ -33,7 +33,8 @@ from .runner import CampaignRun
 from .schedule import Schedule
 
 REL_TOL = 1e-5
-JOB_KINDS = ("rejoin", "node_lost", "job_lost")  # incidents that are not a rank's failure
+RELAUNCH_KINDS = ("node_lost", "job_lost", "stalled")  # the supervisor relaunched the job
+JOB_KINDS = ("rejoin", *RELAUNCH_KINDS)  # incidents that are not a rank's failure
 
 
 def compare_with_reference(run_dir: Path, ref_dir: Path, steps: int, exact: bool) -> dict[str, Any]:
@@ -87,7 +88,7 @@ def _describe_incident(i: dict[str, Any]) -> str:
     if kind == "rejoin":
         extra = f" ({i['reason']})" if i.get("reason") else ""
         return f"rejoin {i.get('status')} @{i.get('step')}{extra}"
-    if kind in ("node_lost", "job_lost"):
+    if kind in RELAUNCH_KINDS:
         return f"{kind} -> generation {i.get('generation')} from {i.get('state_from')} @{i.get('step')}"
     return (
         f"{kind} in {i.get('phase')} @{i.get('step')} replicas {i.get('failed_replicas')} ({i.get('action')})"
@@ -134,7 +135,7 @@ def judge(
         full = None
         if sent_at is not None:
             full = next((c for c in watch.commits if c.time > sent_at and c.replicas == dp), None)
-        relaunches = [i for i in window if i.get("kind") in ("node_lost", "job_lost")]
+        relaunches = [i for i in window if i.get("kind") in RELAUNCH_KINDS]
         redone = sum(int(i.get("steps_redone", 0)) for i in relaunches)
         drops = [(a, b) for at, a, b in watch.step_drops if sent_at is not None and at > sent_at]
         if not redone and drops and relaunches:
@@ -170,7 +171,7 @@ def judge(
         "final_replicas": metrics[-1].get("replicas") if metrics else None,
         "last_step": metrics[-1]["step"] if metrics else 0,
         "target_step": steps,
-        "relaunches": sum(1 for i in incidents if i.get("kind") in ("node_lost", "job_lost")),
+        "relaunches": sum(1 for i in incidents if i.get("kind") in RELAUNCH_KINDS),
         "generation": watch.generation,
         "rejoins_joined": sum(1 for i in rejoins if i.get("status") == "joined"),
         "rejoins_failed": sum(1 for i in rejoins if i.get("status") == "failed"),

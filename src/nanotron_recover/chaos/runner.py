@@ -335,12 +335,12 @@ class Campaign:
         self._reaction(record)
 
     def _reaction(self, record: dict[str, Any]) -> None:
-        """Wait for the first commit after the last signal (by the records' own clock); the step it
-        commits is the step the fault struck."""
+        """Wait for the first commit after the last signal (by the records' own clock). The step
+        committed first after the first signal is the step the fault struck."""
         w = self.watch
         last = max(s["at"] for s in record["signals"] if s["sent"])
         self._wait(lambda: any(c.time > last for c in w.commits), "a commit after the fault", interval=0.005)
-        first = next(c for c in w.commits if c.time > last)
+        first = next(c for c in w.commits if c.time > record["sent_at"])
         record["step"] = first.step
         record["to_next_commit_s"] = first.time - record["sent_at"]
         self.kill_all_pending = False

@@ -213,11 +213,13 @@ def schedule_from_dict(data: dict[str, Any]) -> Schedule:
 
 
 def load_schedule(path: str | Path) -> Schedule:
-    """Read ``chaos_schedule.json`` for ``--replay``."""
+    """Read ``chaos_schedule.json`` (or a campaign's ``chaos.json``, which holds it) for ``--replay``."""
     try:
         data = json.loads(Path(path).read_text())
     except OSError as e:
         raise ScheduleError(f"cannot read schedule {path}: {e.strerror or e}") from None
     except ValueError as e:
         raise ScheduleError(f"schedule {path} is not JSON: {e}") from None
+    if isinstance(data, dict) and isinstance(data.get("schedule"), dict):
+        data = data["schedule"]  # a chaos.json
     return schedule_from_dict(data)

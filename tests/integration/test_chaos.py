@@ -1,0 +1,77 @@
+"""One short seeded chaos campaign on this host: ``nanotron-recover chaos`` launches a 3-replica
+job with re-join on and sends, from outside, a SIGKILL, a SIGSTOP and a kill timed into a re-join
+(the first kill's incident recorded, its replacement spawned and not joined yet). The test reads
+only ``chaos.json``: exit 0, the plain run's ids and loss at every step, a recorded reaction to each
+fault, and the job back at its initial width at the end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nanotron_recover.chaos.schedule import draw_schedule
+from tests.helpers.mpirun_utils import REPO, run_cli
+
+pytestmark = pytest.mark.mpi
+
+CONFIG = str(REPO / "configs" / "tiny_cpu.yaml")
+DP, STEPS = 3, 300
+SETS = [
+    "model.model_config.hidden_size=32",
+    "model.model_config.intermediate_size=64",
+    "tokens.sequence_length=32",
+    "tokens.micro_batch_size=1",
+    f"tokens.train_steps={STEPS}",
+    f"parallelism.dp={DP}",
+    "tokens.batch_accumulation_per_replica=2",
+    "recover.enabled=true",
+    "recover.rejoin.mode=spawn",
+    "recover.heartbeat_period_s=0.5",
+    "recover.heartbeat_timeout_s=2",
+    "recover.rejoin.join_timeout_s=60",
+    "recover.watchdog_timeout_s=60",
+    "recover.gate_timeout_s=30",
+]
+KINDS = ["kill", "freeze", "kill_during_rejoin"]
+SEED = 1
+
+
+def test_seeded_campaign_equals_the_plain_run(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["chaos", "--config", CONFIG, "--run-dir", str(run_dir), "--seed", str(SEED), "--faults", "3"]
+    args += ["--kinds", ",".join(KINDS), "--first-step", "10", "--min-gap", "60", "--timeout-s", "150"]
+    args += [a for s in SETS for a in ("--set", s)]
+    result = run_cli(args, timeout=180)
+    record = json.loads((run_dir / "chaos.json").read_text())
+    totals = record["totals"]
+    print((run_dir / "chaos.md").read_text())
+    assert result.returncode == 0 and record["exit_status"] == 0, record["verdict"] + result.output[-3000:]
+
+    # The schedule is the seeded draw, written for --replay.
+    want = draw_schedule(SEED, 3, KINDS, dp=DP, replica_size=1, first_step=10, last_step=240, min_gap=60)
+    assert record["schedule"] == want.to_dict()
+    assert json.loads((run_dir / "chaos_schedule.json").read_text()) == want.to_dict()
+
+    # The job: exit 0, every step the plain run's ids and loss, back at full width, no hang.
+    assert totals["exit_status"] == 0 and totals["hang"] is None
+    comparison = record["comparison"]
+    assert comparison["equal"] and totals["equal_to_plain"]
+    assert comparison["steps"] == STEPS and not comparison["missing_steps"]
+    assert not comparison["ids_mismatch_steps"] and not comparison["loss_mismatch_steps"]
+    assert totals["final_replicas"] == DP
+    assert 0 < totals["full_width_share"] < 1
+
+    # Each fault was sent and has a recorded reaction of the kind it calls for.
+    assert totals["faults_sent"] == 3 and totals["faults_with_reaction"] == 3 and not record["unsent"]
+    by_kind = {f["kind"]: f for f in record["faults"]}
+    assert "crash" in by_kind["kill"]["incident_kinds"]
+    assert "hang" in by_kind["freeze"]["incident_kinds"]
+    rejoin = by_kind["kill_during_rejoin"]
+    assert [s["sent"] for s in rejoin["signals"]] == [True, True]
+    assert "crash" in rejoin["incident_kinds"] and "rejoin" in rejoin["incident_kinds"]
+    for fault in record["faults"]:
+        assert fault["to_next_commit_s"] is not None and fault["to_next_commit_s"] >= 0
+        assert "rejoin" in fault["incident_kinds"], fault  # every lost replica came back
+    assert totals["rejoins_joined"] >= 3
+    assert totals["frozen_left_behind"] == []
