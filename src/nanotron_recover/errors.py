@@ -47,6 +47,7 @@ STOP_EXIT_CODES: dict[Kind, ExitCode] = {
     Kind.DETERMINISTIC: ExitCode.DETERMINISTIC,
     Kind.IO: ExitCode.IO,
     Kind.ALL_REPLICAS_LOST: ExitCode.FAILED,
+    Kind.REGROW: ExitCode.FAILED,  # not every step committed: the supervisor relaunches it
 }
 assert set(STOP_EXIT_CODES) == set(STOP_ORDER)
 

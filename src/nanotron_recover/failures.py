@@ -21,6 +21,9 @@ Kinds (:class:`Kind`), what a rank knows about why a replica was lost or the job
 - ``rejoin``: an incident of the re-join (joined, failed, given up), never a failure record.
 - ``node_lost``, ``job_lost``: the job was relaunched inside its allocation, after a host was lost
   (the runtime ends the whole job then) or after every replica was lost; never a failure record.
+- ``regrow``: the job stopped at a step boundary, its node-memory snapshots published, so that its
+  supervisor relaunches it at full width: a re-join could not be placed; then the relaunch's
+  incident kind.
 - ``stalled``: the job was relaunched by its supervisor after no step committed within its
   deadline (``commit_deadline.py``); never a failure record.
 
@@ -65,6 +68,9 @@ class Kind(_Name):
     NODE_LOST = "node_lost"  # the job was relaunched after a host was lost
     JOB_LOST = "job_lost"  # the job was relaunched after every replica was lost, no host lost
     STALLED = "stalled"  # the job was relaunched after no step committed within its deadline
+    # The job stopped at a step boundary to be relaunched at full width: a re-join could not be
+    # placed (Open MPI does not give a dead process's slot back), and a relaunch gets every slot.
+    REGROW = "regrow"
 
 
 class Phase(_Name):
@@ -114,6 +120,7 @@ STOP_ORDER: tuple[Kind, ...] = (
     Kind.INPUT,
     Kind.TOO_FEW_REPLICAS,
     Kind.ALL_REPLICAS_LOST,
+    Kind.REGROW,
 )
 # The incident kind of one recovery, from the kinds of its records and unrecorded failures.
 INCIDENT_PRIORITY: tuple[Kind, ...] = (

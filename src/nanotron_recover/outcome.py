@@ -112,6 +112,16 @@ def is_lost_job(outcome: dict[str, Any] | None) -> bool:
     return outcome is None or outcome.get("kind") == Kind.ALL_REPLICAS_LOST
 
 
+def asks_regrow(outcome: dict[str, Any] | None) -> bool:
+    """Whether ``outcome`` is a job that stopped to be relaunched at full width (kind ``regrow``)."""
+    return outcome is not None and outcome.get("kind") == Kind.REGROW
+
+
+# How many relaunches the supervisor has left, told to the job: a job asks for a relaunch only
+# when one will come.
+RELAUNCHES_LEFT_ENV = "NANOTRON_RECOVER_RELAUNCHES_LEFT"
+
+
 def exit_code_of(outcome: dict[str, Any] | None) -> int:
     """The exit status a launcher reports for ``outcome``: 0 only for a completed run."""
     if outcome is None:

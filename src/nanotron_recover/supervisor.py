@@ -64,7 +64,9 @@ from .generation import Relaunch, clear_relaunch, write_relaunch
 from .hosts import HostPlan, relaunch_command, relaunch_ranks
 from .logging.metrics import read_metrics
 from .outcome import (
+    RELAUNCHES_LEFT_ENV,
     SUPERVISED_ENV,
+    asks_regrow,
     clear_abandoned,
     clear_outcome,
     exit_code_of,
@@ -430,7 +432,9 @@ def run_relaunching(
     retried_start = False  # the last launch was a retried start (which is not retried again)
     start_s: float | None = None  # the last measured start: a relaunch's own start is bounded by it
     deadline = deadline or DeadlineArgs()
+    env = dict(os.environ if env is None else env)
     while True:
+        env[RELAUNCHES_LEFT_ENV] = str(relaunches - generation)
         # A job lost with a node leaves steps (srun) that SIGTERM cannot end: no long waits for them.
         result = run_supervised(
             launch_cmd,
@@ -446,8 +450,9 @@ def run_relaunching(
         )
         start_s = result.start_s or start_s
         # A job lost as a whole, with no record or with a rank's all_replicas_lost record, may be
-        # relaunched; any other record is how the run ended.
-        if not is_lost_job(result.outcome) or result.interrupted_by is not None:
+        # relaunched, and so is one that stopped to regrow; any other record is how the run ended.
+        regrow = asks_regrow(result.outcome)
+        if not (is_lost_job(result.outcome) or regrow) or result.interrupted_by is not None:
             return report(result, run_dir, target_step=target_step, log=log)
         after = last_committed_step(run_dir)
         if generation >= relaunches:
@@ -471,6 +476,7 @@ def run_relaunching(
         retried_start = start_retry
         lost_before = lost
         width = ""
+        launch_cmd = cmd  # every host answers: full width again, whatever the last launch had
         if lost:
             ranks = relaunch_ranks(cmd, answering, replica_size)
             if ranks < max(1, min_replicas) * replica_size:
@@ -482,7 +488,15 @@ def run_relaunching(
             launch_cmd = relaunch_command(cmd, answering, ranks)
             width = f", {ranks // replica_size} replica(s) on {', '.join(answering)}"
         generation += 1
-        cause = Kind.NODE_LOST if lost else Kind.STALLED if result.stalled else Kind.JOB_LOST
+        cause = (
+            Kind.NODE_LOST
+            if lost
+            else Kind.STALLED
+            if result.stalled
+            else Kind.REGROW
+            if regrow
+            else Kind.JOB_LOST
+        )
         cleanup_s = max(0.0, probe_start - ended_at)
         relaunch = Relaunch(
             generation, cause, ended_at, after, lost, answering, cleanup_s, probe_s, time.time()
@@ -491,11 +505,15 @@ def run_relaunching(
         what = f"hosts {', '.join(lost)} lost" if lost else "every replica lost"
         if result.stalled is not None and not lost:
             what = "stalled: no step committed within its bound"
+        if regrow and not lost:
+            what = "a re-join could not be placed: relaunched at full width"
         if start_retry:
             what += ", before a first commit: its start is retried once"
         ended = "without an outcome" if result.outcome is None else "with every replica lost"
         if result.stalled is not None:
             ended = "by the supervisor"
+        elif regrow:
+            ended = "to regrow"
         log(
             f"the job ended {ended} after step {after} ({what}): relaunching it "
             f"(generation {generation}{width}, {relaunches - generation} relaunches left)"

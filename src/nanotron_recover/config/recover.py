@@ -138,6 +138,11 @@ class RejoinArgs:
     # frozen in a stage no failure detector watches) ends the job, which the supervisor relaunches
     # from the node-memory snapshots.
     join_timeout_s: float = 300.0
+    # A re-join that cannot be placed (no free slot: Open MPI does not give a dead process's slot
+    # back) stops the job after the step, its node-memory snapshots published, and the supervisor
+    # relaunches it at full width (seconds, no step redone) instead of leaving it narrower for the
+    # rest of the run. Only under the supervisor, with a relaunch left and snapshots on.
+    regrow_by_relaunch: bool = True
 
     def __post_init__(self) -> None:
         where = "recover.rejoin"

@@ -44,7 +44,7 @@ from .runinfo import read_run_info
 
 # The phases of a step, as its metrics record names them (timing.PhaseTimes.record), in order.
 PHASES = ("compute_s", "gate_s", "reduce_s", "agree_s", "optimizer_s", "checkpoint_s", "recovery_s")
-RELAUNCH_KINDS = ("node_lost", "job_lost", "stalled")
+RELAUNCH_KINDS = ("node_lost", "job_lost", "stalled", "regrow")
 STATES = ("alive", "spawned", "parked", "lost")
 SPARK = "▁▂▃▄▅▆▇█"
 TAIL_BYTES = 1 << 20  # metrics.jsonl is read from its last MiB: recent steps are what is shown

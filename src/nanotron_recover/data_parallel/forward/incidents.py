@@ -194,7 +194,12 @@ class Incidents:
             "alive_replicas": self.s.ftc.alive_replicas,
         }
         self._append(record)
-        lost = f"hosts {relaunch.hosts_lost} lost" if relaunch.hosts_lost else "every replica lost"
+        lost = {
+            Kind.STALLED: "no step committed within the deadline",
+            Kind.REGROW: "to regrow to full width",
+        }.get(relaunch.cause, "every replica lost")
+        if relaunch.hosts_lost:
+            lost = f"hosts {relaunch.hosts_lost} lost"
         self.s.parts.write_line(
             f"[nanotron-recover] step {first_step}: relaunched ({lost}) from the {state_from} of step "
             f"{restored} in {record['restart_s']:.1f} s; {record['steps_redone']} steps redone"

@@ -67,8 +67,7 @@ def _ends_here(method: Callable[..., T]) -> Callable[..., T]:
         try:
             return method(self, *args, **kwargs)
         except StopJob as job:
-            if not job.job_lost:  # a lost job may be relaunched from its snapshots
-                self._end_snapshots()
+            self._snapshots_at_stop(job)
             self.stops.exit(job)
         except Parked as parked:
             parked.wait_for_rejoin = self._wait_for_rejoin
@@ -258,8 +257,7 @@ class ForwardRecovery:
             with self.steps.local_phase(name):
                 yield
         except StopJob as job:
-            if not job.job_lost:  # a lost job may be relaunched from its snapshots
-                self._end_snapshots()
+            self._snapshots_at_stop(job)
             self.stops.exit(job)
         except Parked as parked:
             parked.wait_for_rejoin = self._wait_for_rejoin
@@ -322,6 +320,14 @@ class ForwardRecovery:
         self.incidents.flush_rejoins()
         self.stops.complete(last_step)
         self._end_snapshots()
+
+    def _snapshots_at_stop(self, job: StopJob) -> None:
+        """A job relaunched next (lost, or stopped to regrow) keeps its snapshots, every one of
+        them published before the rank exits; any other stop gives them back."""
+        if not job.relaunched:
+            self._end_snapshots()
+        elif self.snapshots is not None:
+            self.snapshots.wait()
 
     def _end_snapshots(self) -> None:
         """The job ended with an outcome (completed or stopped): nothing will be relaunched from

@@ -25,12 +25,14 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
+from ...errors import StopRun
 from ...failures import Kind, Phase
 from ...ft.faults import FaultInjector
 from ...ft.liveness import start_heartbeat
 from ...ft.replica_world import init_replica_world
 from ...ft.watch import current_watch
 from ...ft.world import AllReplicasFailed, JoinFailed, JoinPlan, RecoveryResult, WorldChanged
+from ...outcome import RELAUNCHES_LEFT_ENV, SUPERVISED_ENV
 from ...parallel.context import ParallelContext
 from ...policy.rejoin import RejoinBook, due_replicas
 from ..protocol import JoinedState, Parked
@@ -194,8 +196,32 @@ class Rejoin:
                     self.incidents.rejoin(
                         step, {"status": "failed", "replicas": list(replicas), "reason": str(failed)}
                     )
+                if failed.could_not_start and self.may_regrow():
+                    # Every member met the same refusal: each asks alike, and the next agree stops
+                    # the job after this step, its snapshots published, for a full-width relaunch.
+                    lost = sorted(self.book.lost_at)
+                    self.stops.request(
+                        StopRun(
+                            Kind.REGROW,
+                            f"the re-join of replicas {lost} could not be placed ({failed}): the job stops "
+                            "after this step to be relaunched at full width from node memory",
+                        )
+                    )
                 return None
             return self._finish_join(pending)
+
+    def may_regrow(self) -> bool:
+        """Whether a re-join that cannot be placed is made good by a relaunch at full width: only
+        under a supervisor with a relaunch left, with node-memory snapshots to restore from."""
+        s = self.s
+        left = os.environ.get(RELAUNCHES_LEFT_ENV, "0")
+        return (
+            s.args.rejoin.regrow_by_relaunch
+            and os.environ.get(SUPERVISED_ENV) == "1"
+            and left.isdigit()
+            and int(left) > 0
+            and s.args.snapshot.interval > 0
+        )
 
     def _spawn_info(self) -> dict[str, str]:
         rejoin = self.s.args.rejoin

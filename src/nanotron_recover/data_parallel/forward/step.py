@@ -162,6 +162,7 @@ class StepTransaction:
         committed = time.perf_counter()
         if stop:
             self.incidents.write(state.incidents, committed)
+            self.incidents.flush_rejoins()  # a failed re-join may be why the job stops
             raise self.stops.agreed(stop, step - 1)
         summed = self._summed_ids(step, state)
         loss_sum = torch.tensor(

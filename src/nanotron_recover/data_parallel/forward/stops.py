@@ -72,6 +72,11 @@ class StopJob(BaseException):
         """No replica is left: the job may be relaunched (its node-memory snapshots must stay)."""
         return self.lost is not None
 
+    @property
+    def relaunched(self) -> bool:
+        """The job will be relaunched from its node-memory snapshots: they must stay."""
+        return self.job_lost or self.stop.kind == Kind.REGROW
+
 
 class Stops:
     def __init__(self, state: RankState, members: Members, incidents: Incidents):

@@ -400,3 +400,37 @@ def test_no_free_slot_the_run_goes_on_shrunk(tmp_path, tmp_path_factory, local_d
     failed = rejoins(tmp_path, "failed")
     assert [f["step"] for f in failed] == [3, 5] and all("spawn" in f["reason"] for f in failed)
     assert_replicas_identical(tmp_path, [0, 2, 3])
+
+
+@pytest.mark.mpi
+def test_no_free_slot_under_the_supervisor_regrows_by_a_relaunch(tmp_path, tmp_path_factory, local_dataset):
+    """The same full allocation (4 slots, 4 ranks, a replica killed at step 2), now under the
+    supervisor: the spawn cannot be placed after step 3, so the job stops after step 4's agree
+    with step 3's snapshots published, and the supervisor relaunches it at full width (a new
+    mpirun has every slot). It completes with the plain curve, 4 replicas from the relaunch on,
+    no committed step redone, one ``regrow`` incident."""
+    steps = 9
+    corpus = local_dataset.corpus_dir
+    faults = [{"step": 2, "replica": 1, "phase": "forward"}]
+    sets = sets_for(tmp_path, corpus, steps) + layout(1, 1, 4, 2) + rejoin_sets(faults)
+    sets += [f"recover.snapshot.dir={tmp_path / 'node_memory'}"]
+    program = [sys.executable, "-m", "nanotron_recover.cli", *train_args(tmp_path, sets)]
+    cmd = [a for a in mpirun_command(4, program) if a != "--oversubscribe"]
+    cmd[cmd.index("-n") : cmd.index("-n")] = ["--host", "localhost:4"]
+    supervise = [sys.executable, "-m", "nanotron_recover.supervisor", "supervise", "--run-dir", str(tmp_path)]
+    result = run_process([*supervise, "--relaunches", "2", "--grace-s", "20", "--", *cmd], timeout=420)
+
+    assert result.returncode == 0, result.output[-4000:]
+    outcome = read_outcome(tmp_path)
+    assert (outcome["status"], outcome["exit_code"], outcome["last_step"]) == ("completed", 0, steps)
+    got = read_metrics(tmp_path)
+    assert_same_curve(got, plain_curve(tmp_path_factory, corpus, steps))
+    (failed,) = rejoins(tmp_path, "failed")
+    assert failed["step"] == 3 and "spawn" in failed["reason"]
+    (regrow,) = [i for i in read_incidents(tmp_path) if i["kind"] == "regrow"]
+    assert regrow["generation"] == 1 and regrow["state_from"] == "snapshot"
+    assert regrow["restored_step"] == 3 and regrow["steps_redone"] == 0
+    assert regrow["alive_replicas"] == [0, 1, 2, 3]
+    assert [r["replicas"] for r in got] == [4, 3, 3] + [4] * (steps - 3)
+    assert_replicas_identical(tmp_path, [0, 1, 2, 3])
+    assert not list((tmp_path / "node_memory").rglob("*.bin"))
