@@ -38,7 +38,10 @@ lost then, costs a start, not the run); a second such loss in a row ends the run
 A job may also stall: no step commits, because a member is stuck where no rank-level deadline can
 end it without taking a healthy replica down (``commit_deadline.py``). Under forward recovery the
 supervisor ends a job that has committed nothing for a bound derived from its measured steps and
-relaunches it like a lost one (incident kind ``stalled``): no stuck member can hold the job.
+relaunches it like a lost one (incident kind ``stalled``): no stuck member can hold the job. And
+a job whose lost ranks' host no longer answers a probe (a frozen or cut-off node) is ended and
+relaunched without that host at once (``lost_hosts.py``), not when Open MPI's runtime gives up on
+the node tens of seconds later.
 
 ``python -m nanotron_recover.supervisor supervise --run-dir D [--relaunches N] -- CMD...`` runs
 the supervisor around any command; the Slurm job script uses it that way.
@@ -63,6 +66,7 @@ from .failures import Kind
 from .generation import Relaunch, clear_relaunch, write_relaunch
 from .hosts import HostPlan, relaunch_command, relaunch_ranks
 from .logging.metrics import read_metrics
+from .lost_hosts import LostHostWatch
 from .outcome import (
     RELAUNCHES_LEFT_ENV,
     SUPERVISED_ENV,
@@ -112,6 +116,7 @@ class Supervised:
     interrupted_by: int | None = None  # a SIGINT/SIGTERM from the user, forwarded to the command
     exited_at: float | None = None  # wall clock when the command exited (or was ended)
     stalled: Stalled | None = None  # the supervisor ended a job that stopped committing steps
+    hosts_gone: str | None = None  # the supervisor ended a job whose lost ranks' hosts are gone
     start_s: float | None = None  # from the launch to its first commit (None: no commit)
 
 
@@ -218,11 +223,13 @@ def run_supervised(
     linger_s: float = LINGER_S,
     deadline: DeadlineArgs | None = None,
     previous_start_s: float | None = None,
+    lost_hosts: LostHostWatch | None = None,
 ) -> Supervised:
     """Run ``cmd`` (usually mpirun) in a session of its own until it exits, or until ``grace_s``
     after the run recorded that it completed; then end whatever of it is left. With ``deadline``,
     a job that commits no step within its bound (``commit_deadline.py``) is ended too
-    (:attr:`Supervised.stalled`).
+    (:attr:`Supervised.stalled`); with ``lost_hosts``, so is one whose lost ranks' host no longer
+    answers (``lost_hosts.py``; :attr:`Supervised.hosts_gone`).
 
     The outcome record of an earlier launch is cleared first, so only this run's counts. Raises
     :class:`subprocess.TimeoutExpired` (after ending the session) when ``timeout_s`` passes.
@@ -236,6 +243,7 @@ def run_supervised(
     env[SUPERVISED_ENV] = "1"
     watch = CommitWatch(run_dir, deadline or DeadlineArgs(fixed_s=0), previous_start_s)
     stalled: Stalled | None = None
+    hosts_gone: str | None = None
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     previous = _install_forwarding(proc, received)
     started = time.monotonic()
@@ -271,6 +279,14 @@ def run_supervised(
                 exited_at = time.time()
                 ended = end_session(proc, term_wait_s)
                 log(f"the job stalled, {stalled.describe()}: ended {', '.join(ended) or 'mpirun'}")
+                break
+            hosts_gone = lost_hosts.poll() if lost_hosts is not None and recorded_at is None else None
+            if hosts_gone is not None:
+                # Open MPI's runtime would abort the job when it gives up on the node, tens of
+                # seconds later: the relaunch need not wait for it.
+                exited_at = time.time()
+                ended = end_session(proc, term_wait_s)
+                log(f"{hosts_gone}: ended {', '.join(ended) or 'mpirun'} to relaunch without them")
                 break
             if recorded_at is None:
                 # Only a completed run: a stopped record may come from one rank while the others
@@ -308,6 +324,7 @@ def run_supervised(
         interrupted_by=received[0] if received else None,
         exited_at=exited_at,
         stalled=stalled,
+        hosts_gone=hosts_gone,
         start_s=watch.start_s,
     )
 
@@ -435,6 +452,9 @@ def run_relaunching(
     env = dict(os.environ if env is None else env)
     while True:
         env[RELAUNCHES_LEFT_ENV] = str(relaunches - generation)
+        watch_hosts = None
+        if hosts is not None and len(hosts.hosts) > 1:
+            watch_hosts = LostHostWatch(run_dir, hosts.hosts, hosts.answering)
         # A job lost with a node leaves steps (srun) that SIGTERM cannot end: no long waits for them.
         result = run_supervised(
             launch_cmd,
@@ -447,6 +467,7 @@ def run_relaunching(
             linger_s=RELAUNCH_LINGER_S,
             deadline=deadline,
             previous_start_s=start_s,
+            lost_hosts=watch_hosts,
         )
         start_s = result.start_s or start_s
         # A job lost as a whole, with no record or with a rank's all_replicas_lost record, may be
@@ -460,7 +481,14 @@ def run_relaunching(
             return report(result, run_dir, target_step=target_step, log=log)
         ended_at = result.exited_at or time.time()
         probe_start = time.time()
-        answering = hosts.answering() if hosts is not None else []
+        if (
+            result.hosts_gone is not None
+            and watch_hosts is not None
+            and watch_hosts.last_answering is not None
+        ):
+            answering = watch_hosts.last_answering  # probed a moment ago
+        else:
+            answering = hosts.answering() if hosts is not None else []
         probe_s = time.time() - probe_start
         lost = [h for h in hosts.hosts if h not in answering] if hosts is not None else []
         # A job that dies before committing a new step would die again -- unless it died because

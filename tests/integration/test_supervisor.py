@@ -152,6 +152,33 @@ def test_a_host_lost_during_the_restart_is_a_new_fault_and_relaunches_again(tmp_
     assert "after step 2 (hosts b, c lost): relaunching it (generation 2" in err
 
 
+def test_a_frozen_host_is_relaunched_on_the_jobs_word_not_the_runtimes(tmp_path, capfd):
+    """The job lost a rank to a hang and repaired it, and goes on waiting (as mpirun does for a
+    node's daemon that stopped answering, until the runtime gives up on it tens of seconds
+    later). The supervisor probes the lost rank's host at once; it does not answer, so the job is
+    ended and relaunched without it."""
+    body = (
+        "import time\n"
+        "ranks = [{'rank': r, 'host': h, 'pid': 1, 'replica': r} for r, h in enumerate('abc')]\n"
+        "if n == 1:\n    (run_dir / 'ranks.json').write_text(json.dumps(ranks))\n    commit(1); commit(2)\n"
+        "    with open(run_dir / 'incidents.jsonl', 'a') as f:\n"
+        "        f.write(json.dumps({'step': 2, 'kind': 'hang', 'failed_ranks': [1]}) + '\\n')\n"
+        "    time.sleep(600)\n"
+        "else:\n    commit(3)\n"
+        "    write_outcome(run_dir, status='completed', last_step=3, target_step=3, exit_code=0)\n"
+    )
+    hosts = ScriptedHosts(["a", "b", "c"], [["a", "c"]])  # one probe: the watch's, reused
+    code = run_relaunching(
+        fake_job(tmp_path, body), tmp_path / "run", grace_s=1, relaunches=2, hosts=hosts, timeout_s=120
+    )
+    err = capfd.readouterr().err
+    assert code == 0, err
+    assert (tmp_path / "launches").read_text() == "2"
+    assert "hosts b of ranks the job lost do not answer: ended" in err
+    relaunch = read_relaunch(tmp_path / "run")
+    assert relaunch.cause == "node_lost" and relaunch.hosts_lost == ["b"] and relaunch.hosts == ["a", "c"]
+
+
 def test_a_job_that_gives_itself_up_is_ended_and_relaunched(tmp_path):
     """A rank writes ``abandoned.json`` (a re-join stuck past its deadline) while mpirun would wait
     forever for a frozen process: the supervisor ends the job at once and relaunches it."""

@@ -1,0 +1,84 @@
+"""Hosts lost, on the job's own word: a frozen or cut-off node is relaunched without waiting for
+Open MPI's runtime to give up on it.
+
+A node that freezes (a kernel hang) or loses its link sends nothing. Inside the job, ULFM's
+heartbeat detector declares its ranks failed within ``recover.heartbeat_timeout_s`` and the
+survivors repair the step and go on; the incident is written at the next commit. Open MPI's
+runtime (PRRTE 3.0.x) notices the node's daemon is gone only much later (35-39 s measured on the
+emulated cluster) and then aborts the whole job anyway (docs/architecture.md, section 8). Waiting
+for that abort costs the time between the two, with no step gained: the job is relaunched after
+it either way.
+
+So the supervisor reads the incidents as they are written (:class:`LostHostWatch`). When a
+recovery lost ranks (``crash`` or ``hang``), it probes the hosts those ranks ran on
+(``hosts.HostPlan.answering``, all hosts at once so that the answering ones set how long the
+silent one may take). A host that does not answer is lost: the supervisor ends the job and
+relaunches it on the hosts that answer, from node memory, at once. A rank that died or froze on a
+healthy node leaves its host answering: nothing happens, the in-step repair (and a re-join) is
+all it costs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .failures import Kind
+
+LOSS_KINDS = (Kind.CRASH, Kind.HANG)
+
+
+class LostHostWatch:
+    """Follows ``<run_dir>/incidents.jsonl``; :meth:`poll` names a lost host of a new incident."""
+
+    def __init__(self, run_dir: str | Path, hosts: list[str], answering: Callable[[], list[str]]) -> None:
+        self.run_dir = Path(run_dir)
+        self.hosts = list(hosts)
+        self.answering = answering  # probes every host: those that answer
+        path = self.run_dir / "incidents.jsonl"
+        self._offset = path.stat().st_size if path.exists() else 0  # earlier launches' incidents
+        self.lost: list[str] = []
+        self.last_answering: list[str] | None = None  # the newest probe's answer, for the relaunch
+
+    def poll(self) -> str | None:
+        """A reason to end the job now (a host of a rank the job lost does not answer), or None."""
+        suspects = sorted({h for inc in self._new_incidents() for h in self._hosts_of(inc)} - set(self.lost))
+        if not suspects:
+            return None
+        self.last_answering = self.answering()
+        gone = [h for h in suspects if h not in self.last_answering]
+        if not gone:
+            return None
+        self.lost += gone
+        return f"hosts {', '.join(gone)} of ranks the job lost do not answer"
+
+    def _new_incidents(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "incidents.jsonl"
+        try:
+            with open(path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]  # a line being written waits for the next poll
+        self._offset += len(complete)
+        found = []
+        for line in complete.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("kind") in LOSS_KINDS and record.get("failed_ranks"):
+                found.append(record)
+        return found
+
+    def _hosts_of(self, incident: dict[str, Any]) -> set[str]:
+        """The hosts the incident's failed ranks ran on (the rank table), among the job's hosts."""
+        try:
+            table = json.loads((self.run_dir / "ranks.json").read_text())
+        except (OSError, ValueError):
+            return set()
+        failed = set(incident["failed_ranks"])
+        return {str(r.get("host")) for r in table if r.get("rank") in failed and r.get("host") in self.hosts}

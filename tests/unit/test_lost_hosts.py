@@ -1,0 +1,74 @@
+"""Hosts lost on the job's own word (``lost_hosts.py``): a new incident that lost ranks makes the
+supervisor probe their hosts; one that does not answer is named, once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from nanotron_recover.lost_hosts import LostHostWatch
+
+
+def write_ranks(run_dir: Path, hosts: list[str]) -> None:
+    table = [{"rank": r, "host": h, "pid": 1000 + r, "replica": r} for r, h in enumerate(hosts)]
+    (run_dir / "ranks.json").write_text(json.dumps(table))
+
+
+def incident(run_dir: Path, kind: str, failed_ranks: list[int], partial: bool = False) -> None:
+    line = json.dumps({"step": 4, "kind": kind, "failed_ranks": failed_ranks})
+    with open(run_dir / "incidents.jsonl", "a") as f:
+        f.write(line[: len(line) // 2] if partial else line + "\n")
+
+
+class Probe:
+    def __init__(self, answering: list[str]):
+        self.answer, self.calls = answering, 0
+
+    def __call__(self) -> list[str]:
+        self.calls += 1
+        return list(self.answer)
+
+
+def test_a_hang_whose_host_is_silent_names_the_host_once(tmp_path):
+    write_ranks(tmp_path, ["a", "b", "c"])
+    probe = Probe(["a", "c"])
+    watch = LostHostWatch(tmp_path, ["a", "b", "c"], probe)
+    assert watch.poll() is None and probe.calls == 0  # nothing happened: nothing probed
+    incident(tmp_path, "hang", [1])
+    assert watch.poll() == "hosts b of ranks the job lost do not answer"
+    assert watch.last_answering == ["a", "c"]
+    assert watch.poll() is None  # said once
+
+
+def test_a_rank_lost_on_a_healthy_host_costs_no_relaunch(tmp_path):
+    write_ranks(tmp_path, ["a", "b", "c"])
+    probe = Probe(["a", "b", "c"])
+    watch = LostHostWatch(tmp_path, ["a", "b", "c"], probe)
+    incident(tmp_path, "crash", [2])
+    assert watch.poll() is None and probe.calls == 1
+    assert watch.poll() is None and probe.calls == 1  # the same incident is not probed again
+
+
+def test_other_kinds_earlier_incidents_and_half_written_lines_are_not_probed(tmp_path):
+    write_ranks(tmp_path, ["a", "b"])
+    incident(tmp_path, "hang", [1])  # an earlier launch's incident
+    probe = Probe(["a"])
+    watch = LostHostWatch(tmp_path, ["a", "b"], probe)
+    incident(tmp_path, "rejoin", [1])
+    incident(tmp_path, "io", [1])
+    assert watch.poll() is None and probe.calls == 0
+    incident(tmp_path, "hang", [1], partial=True)
+    assert watch.poll() is None and probe.calls == 0
+    with open(tmp_path / "incidents.jsonl", "a") as f:
+        f.write("1]}\n")  # the rest of that line: now complete but not JSON
+    assert watch.poll() is None and probe.calls == 0
+    incident(tmp_path, "hang", [1])
+    assert watch.poll() == "hosts b of ranks the job lost do not answer"
+
+
+def test_a_host_outside_the_allocation_is_never_named(tmp_path):
+    write_ranks(tmp_path, ["a", "elsewhere"])
+    probe = Probe(["a"])
+    watch = LostHostWatch(tmp_path, ["a", "b"], probe)
+    incident(tmp_path, "hang", [1])
+    assert watch.poll() is None and probe.calls == 0
