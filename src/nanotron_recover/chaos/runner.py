@@ -22,9 +22,10 @@ Each fault of the schedule, in order:
 
 **A hang** is no commit for longer than a bound derived from the step time,
 ``max(hang_floor_s, hang_factor x median step)``, while the job is not recovering; while it is,
-the bound grows by what the recovery may take: the failure detector (2 x the heartbeat timeout)
-after a fault, a start or relaunch (``start_allowance_s``), a re-join in flight (its
-``join_timeout_s``); after the run recorded completion, the supervisor's grace period. A hang, or
+the bound grows by what the recovery may take by the job's own bounds: after a fault, the failure
+detector (2 x the heartbeat timeout), the supervisor's commit deadline (its 60 s floor) or a stuck
+re-join's ``join_timeout_s``, and the relaunch either one makes (``start_allowance_s``); a start or
+relaunch (``start_allowance_s``); a re-join in flight (its ``join_timeout_s``); after the run recorded completion, the supervisor's grace period. A hang, or
 the campaign's own ``timeout_s``, ends the job: SIGKILL of the launch process's group and every
 process below it, nothing else.
 """
@@ -47,6 +48,10 @@ from .kinds import KINDS
 from .schedule import PlannedFault, Schedule, Victim
 from .targets import LocalTarget, RankProcess, Target, process_alive, process_stopped
 from .watch import RunWatch
+
+# The supervisor's commit deadline (``commit_deadline.py``) ends a job that commits nothing for its
+# floor plus a few steps and relaunches it: a fault's recovery may take that long before a relaunch.
+DEADLINE_FLOOR_S = 60.0
 
 
 class JobExited(Exception):
@@ -153,7 +158,8 @@ class Campaign:
                 run.hang = hang.info
                 o.log(f"HANG: {hang.info['message']}: ending the job")
                 self.target.end_job()
-            for fault in faults:
+            done = {f["index"] for f in run.sent}
+            for fault in (f for f in faults if f.index not in done):
                 run.unsent.append(
                     {
                         "index": fault.index,
@@ -260,9 +266,11 @@ class Campaign:
         if last_commit is None or any(at > last_commit for at, _ in w.generations):
             allowances.append((self.o.start_allowance_s, "starting (or relaunched)"))
         if self.last_signal_at is not None and (last_commit is None or self.last_signal_at > last_commit):
-            extra = 2 * self.hb_timeout + 10
-            if self.kill_all_pending:
-                extra += self.o.start_allowance_s
+            # Detection and repair; past them the job's own commit deadline (its floor and a few
+            # steps) ends and relaunches a job held by a stuck member: that relaunch too.
+            extra = 2 * self.hb_timeout + 10 + DEADLINE_FLOOR_S + self.o.start_allowance_s
+            if self.rejoin_on:
+                extra = max(extra, self.join_timeout + 10 + self.o.start_allowance_s)
             allowances.append((extra, "recovering from a fault"))
         if self.rejoin_on and self.target.unlisted():
             allowances.append((self.join_timeout + 10, "a re-join in flight"))
