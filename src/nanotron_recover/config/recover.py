@@ -11,6 +11,7 @@ vocabulary (:mod:`nanotron_recover.failures`).
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -177,9 +178,13 @@ class SnapshotArgs:
     # Snapshot after every interval-th committed step (0: never; the relaunch then uses the disk
     # checkpoint).
     interval: int = 1
-    # Node-local shared memory; a folder per run under it, removed when the run completes.
-    dir: str = "/dev/shm/nanotron-recover"
-    # A rank whose state is larger than this does not snapshot (null: no cap).
+    # Node-local shared memory, private to the user: "{uid}" is replaced by the user's id; the folder
+    # is created 0700 and refused (snapshots skipped with a warning) unless it is a directory of this
+    # user's, not a symlink. A folder per run under it, removed when the run completes.
+    dir: str = "/dev/shm/nanotron-recover-{uid}"
+    # A rank whose state is larger than this does not snapshot (null: no cap of its own; a slot that
+    # does not fit in the folder's free space is skipped all the same). `train --dry-run` prints what
+    # the snapshots take per rank and per node.
     max_mb: float | None = None
     # How many replicas of each (pp, tp) coordinate keep one, the lowest alive first (null: all).
     replicas_per_coordinate: int | None = None
@@ -197,8 +202,9 @@ class SnapshotArgs:
             )
         if not self.dir.strip():
             raise ConfigError(
-                f"{where}.dir is empty: name a node-local folder, e.g. /dev/shm/nanotron-recover"
+                f"{where}.dir is empty: name a node-local folder, e.g. /dev/shm/nanotron-recover-{{uid}}"
             )
+        self.dir = self.dir.replace("{uid}", str(os.getuid()))
 
 
 @dataclass

@@ -5,21 +5,34 @@ Every data-parallel replica holds the same model and optimizer state, so the sta
 always exists on another node while one replica of each ``(pp, tp)`` coordinate survives. After the
 commit of every ``recover.snapshot.interval``-th step each rank exports its state (what a re-join
 transfers: parameters, fp32 masters, AdamW moments and step counts, RNG; ``engines/state.py``) and
-writes it under ``recover.snapshot.dir`` (default ``/dev/shm/nanotron-recover``), on a thread, off
-the critical path, while the next step computes: the copy must be finished before the next
+writes it under ``recover.snapshot.dir`` (default ``/dev/shm/nanotron-recover-{uid}``), on a thread,
+off the critical path, while the next step computes: the copy must be finished before the next
 optimizer step changes the state (:meth:`NodeSnapshots.wait_exported`).
 
 One copy per byte: the export hands over the live tensors (``export_state(copy=False)``) and the
 thread copies them straight into the slot's ``state.bin``, mapped into memory once and kept mapped
 across steps, so its pages are allocated once per run, not per step. (An export into fresh CPU
 tensors, then a ``write`` of them, cost 6x more per step on a 2-core machine: new pages twice.)
+A restore maps ``state.bin`` read-only and copies each tensor once out of the mapping: no copy of
+the whole file is ever held besides the state itself.
+
+Private to its user. ``/dev/shm`` is shared by every user of a node, so the folder (``{uid}`` in its
+name is replaced by the user's id) is created ``0700`` and checked before every use
+(:func:`private_root`): a real directory, not a symlink, owned by this user, mode ``0700`` (fixed
+when it is ours). A folder that fails the check is refused in one line: the rank's snapshots are
+skipped with a warning (:class:`SnapshotDirRefused`), never written into another user's folder, and
+the rank trains on. Every file is opened with ``O_NOFOLLOW``, and nothing read back is code: the
+metadata is JSON (:func:`encode_meta`), never pickle.
 
 Layout: ``<dir>/<run_id>/c<coordinate>/r<replica>/slot<0|1>/`` with ``state.bin`` (the tensors'
-bytes in layout order), ``meta.pkl`` (layout, engine meta) and ``published.json`` (step, bytes,
-generation, layout id), written last with an atomic rename. A write goes into the older slot and
-first removes that slot's ``published.json``: a torn write (the node loses power, the process is
-killed) never destroys the newest published snapshot, and a slot without ``published.json`` is
-never read. A snapshot is read only if its run id and layout id are this run's.
+bytes in layout order), ``meta.json`` (layout, engine meta) and ``published.json`` (step, bytes,
+generation, layout id), written last with an atomic rename. A write first removes its slot's
+``published.json``: a torn write (the node loses power, the process is killed) never destroys the
+newest published snapshot, and a slot without ``published.json`` is never read. The slot written is
+the older by ``(generation, step)``: after a relaunch the previous generation's snapshots (which may
+have a higher step than the steps being redone) are replaced first, and the newest snapshot of this
+generation is never the one overwritten. A snapshot is read only if its run id and layout id are
+this run's and its metadata parses and matches its size.
 
 Room is reserved before a byte is written. A slot is a file mapped into memory; a write through a
 mapping into a file system that has run out of pages (a container's 64 MiB ``/dev/shm``, a node's
@@ -32,12 +45,14 @@ disk checkpoint.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import errno
 import json
 import mmap
 import os
-import pickle
 import shutil
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,14 +60,70 @@ from typing import Any
 
 import torch
 
-from ...engines.state import EngineState, dtype_from_name
+from ...engines.state import EngineState, dtype_from_name, dtype_name
 
 PUBLISHED = "published.json"
+META = "meta.json"
+STATE = "state.bin"
+# Opened files never follow a symlink (a link planted in a shared folder would redirect the write).
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class SnapshotSkipped(Exception):
     """A snapshot not written because its slot does not fit (no room, or over ``max_mb``): the
     job goes on, relaunches use an older snapshot or the disk checkpoint."""
+
+
+class SnapshotDirRefused(SnapshotSkipped):
+    """``recover.snapshot.dir`` is not a private folder of this user: no snapshot is written into
+    it nor read from it."""
+
+
+def snapshot_dir(configured: str | Path) -> Path:
+    """``recover.snapshot.dir`` with ``{uid}`` replaced by this process's user id."""
+    return Path(str(configured).replace("{uid}", str(os.getuid())))
+
+
+def private_root(configured: str | Path) -> Path:
+    """The snapshot folder, created ``0700`` if missing, after checking it is this user's own: a
+    real directory (``lstat``: not a symlink), owned by this uid, mode ``0700`` (fixed when it is
+    ours and looser), inside a parent that no other user may rename it in. Raises
+    :class:`SnapshotDirRefused` with one line saying why otherwise."""
+    root = snapshot_dir(configured)
+    uid = os.getuid()
+    fix = "point recover.snapshot.dir at a folder of your own, e.g. /dev/shm/nanotron-recover-{uid}"
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            os.mkdir(root, 0o700)
+        except FileExistsError:
+            pass
+        parent = os.lstat(root.parent)
+        st = os.lstat(root)
+    except OSError as error:
+        raise SnapshotDirRefused(
+            f"node snapshots off: cannot create {root} ({os.strerror(error.errno or 0)}); {fix}"
+        ) from error
+    # A folder anyone may write without the sticky bit: another user could swap ours for a link.
+    if parent.st_mode & stat.S_IWOTH and not parent.st_mode & stat.S_ISVTX and parent.st_uid != uid:
+        raise SnapshotDirRefused(
+            f"node snapshots off: {root.parent} is writable by every user without the sticky bit; {fix}"
+        )
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise SnapshotDirRefused(f"node snapshots off: {root} is {what}; {fix}")
+    if st.st_uid != uid:
+        raise SnapshotDirRefused(
+            f"node snapshots off: {root} belongs to uid {st.st_uid}, not to this user (uid {uid}); {fix}"
+        )
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        try:
+            os.chmod(root, 0o700, follow_symlinks=False)
+        except (OSError, NotImplementedError) as error:
+            raise SnapshotDirRefused(
+                f"node snapshots off: cannot make {root} private (mode {stat.S_IMODE(st.st_mode):o}): {error}"
+            ) from error
+    return root
 
 
 @dataclass(frozen=True)
@@ -69,13 +140,14 @@ class Published:
 class NodeSnapshots:
     """This rank's snapshots: written by :meth:`write`, found by :meth:`available`, read by :meth:`load`.
 
-    ``coordinate`` is the rank's place inside a replica (its local rank), the same on every replica;
-    ``replica`` the replica that writes (several replicas on one node write side by side, and a
-    relaunched rank may read any replica's snapshot of its coordinate)."""
+    ``root`` is ``recover.snapshot.dir`` (``{uid}`` replaced; checked by :func:`private_root` before
+    each use). ``coordinate`` is the rank's place inside a replica (its local rank), the same on
+    every replica; ``replica`` the replica that writes (several replicas on one node write side by
+    side, and a relaunched rank may read any replica's snapshot of its coordinate)."""
 
     def __init__(
         self,
-        root: Path,
+        root: str | Path,
         run_id: str,
         layout_id: str,
         coordinate: int,
@@ -84,7 +156,8 @@ class NodeSnapshots:
         max_bytes: int | None = None,
         may_publish: Any = None,
     ) -> None:
-        self.run_root = Path(root) / run_id
+        self.root = snapshot_dir(root)
+        self.run_root = self.root / run_id
         self.layout_id, self.coordinate, self.replica = layout_id, coordinate, replica
         self.generation, self.max_bytes = generation, max_bytes
         # Asked right before a snapshot is published: False for a process fenced off the job.
@@ -93,8 +166,19 @@ class NodeSnapshots:
         self._exported = threading.Event()
         self._exported.set()
         self.error: BaseException | None = None  # of the last write: a snapshot is best effort
+        self.refused: SnapshotDirRefused | None = None  # the folder, when the last check refused it
         self.written: list[int] = []  # steps published by this process, in order
         self._maps: dict[Path, mmap.mmap] = {}  # state.bin of each slot, mapped once
+
+    def _checked_root(self) -> Path:
+        """The folder, checked (:func:`private_root`); raises :class:`SnapshotDirRefused`."""
+        try:
+            root = private_root(self.root)
+        except SnapshotDirRefused as refused:
+            self.refused = refused
+            raise
+        self.refused = None
+        return root
 
     # -- writing -----------------------------------------------------------------------------
     def _mine(self) -> Path:
@@ -139,6 +223,23 @@ class NodeSnapshots:
         except BaseException as error:  # noqa: BLE001 - reported through .error, never raised in a thread
             self.error = error
 
+    def _target_slot(self, slots: list[Path]) -> Path:
+        """The slot a new snapshot goes into: an unpublished one (or another layout's), else the
+        older by ``(generation, step)``. After a relaunch the steps are redone from an older one:
+        ordered by step alone, a newer step of the previous generation would stay in one slot and
+        every write would replace the other, the newest good snapshot."""
+
+        def order(slot: Path) -> tuple[int, int, int]:
+            record = _read_published(slot)
+            if record is None or record.get("layout_id") != self.layout_id:
+                return (0, 0, 0)
+            try:
+                return (1, int(record["generation"]), int(record["step"]))
+            except (KeyError, TypeError, ValueError):
+                return (0, 0, 0)
+
+        return min(slots, key=order)  # on a tie slot0, the first
+
     def _copy_into_slot(self, state: EngineState) -> Path:
         """The state's bytes into the older slot's ``state.bin`` (its ``published.json`` removed
         first); the slot."""
@@ -148,18 +249,12 @@ class NodeSnapshots:
                 f"node snapshot skipped: {nbytes / 2**20:.1f} MiB exceeds recover.snapshot.max_mb "
                 f"({self.max_bytes / 2**20:.1f} MiB)"
             )
+        self._checked_root()
         mine = self._mine()
-        slots = [mine / "slot0", mine / "slot1"]
-        steps = [_read_published(s) for s in slots]
-        # The older (or unpublished) slot takes the new snapshot; the newest stays intact meanwhile.
-        target = (
-            slots[0]
-            if steps[0] is None or (steps[1] is not None and steps[0]["step"] <= steps[1]["step"])
-            else slots[1]
-        )
-        target.mkdir(parents=True, exist_ok=True)
+        target = self._target_slot([mine / "slot0", mine / "slot1"])
+        target.mkdir(parents=True, exist_ok=True, mode=0o700)
         (target / PUBLISHED).unlink(missing_ok=True)
-        mapped = self._mapped(target / "state.bin", nbytes)
+        mapped = self._mapped(target / STATE, nbytes)
         offset = 0
         for tensor in state.tensors.values():
             n = tensor.numel() * tensor.element_size()
@@ -178,7 +273,7 @@ class NodeSnapshots:
         if mapped is not None:
             mapped.close()
             del self._maps[path]
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)
         try:
             _reserve(fd, path, nbytes)
             mapped = mmap.mmap(fd, max(nbytes, 1))
@@ -190,8 +285,8 @@ class NodeSnapshots:
     def _publish(self, target: Path, step: int, state: EngineState) -> None:
         """The slot's metadata, then its ``published.json`` by an atomic rename, unless fenced."""
         nbytes = state.nbytes()
-        with open(target / "meta.pkl", "wb") as f:
-            pickle.dump({"layout": state.layout(), "meta": state.meta}, f)
+        meta = {"layout": [list(e) for e in state.layout()], "meta": encode_meta(state.meta)}
+        _write_private(target / META, json.dumps(meta).encode())
         record = {
             "step": step,
             "nbytes": nbytes,
@@ -202,51 +297,82 @@ class NodeSnapshots:
         if not self.may_publish():
             raise PermissionError("not publishing a snapshot: this process no longer belongs to the job")
         tmp = target / f"{PUBLISHED}.tmp"
-        tmp.write_text(json.dumps(record))
+        _write_private(tmp, json.dumps(record).encode())
         os.replace(tmp, target / PUBLISHED)
 
     # -- reading -----------------------------------------------------------------------------
     def available(self) -> list[Published]:
-        """Every complete snapshot of this coordinate on this node, any replica's, newest first."""
+        """Every complete snapshot of this coordinate on this node, any replica's, newest first.
+
+        Listed only when its ``published.json`` is this layout's, its metadata parses and its
+        ``state.bin`` is a regular file of the published size; none when the folder is refused
+        (:attr:`refused` says why)."""
+        try:
+            self._checked_root()
+        except SnapshotDirRefused:
+            return []
         found = []
         for slot in sorted(self.run_root.glob(f"c{self.coordinate}/r*/slot*")):
             record = _read_published(slot)
             if record is None or record.get("layout_id") != self.layout_id:
                 continue
-            if (slot / "state.bin").stat().st_size != record["nbytes"]:
-                continue
-            found.append(
-                Published(
+            try:
+                snapshot = Published(
                     slot,
                     int(record["step"]),
                     int(record["nbytes"]),
                     int(record["replica"]),
                     int(record["generation"]),
                 )
-            )
+                st = os.lstat(slot / STATE)
+                if not stat.S_ISREG(st.st_mode) or st.st_size != snapshot.nbytes:
+                    continue
+                _read_meta(slot, snapshot.nbytes)
+            except (OSError, KeyError, TypeError, ValueError):
+                continue  # gone since it was listed, or not a snapshot this code wrote
+            found.append(snapshot)
         return sorted(found, key=lambda p: -p.step)
 
     def load(self, step: int) -> EngineState:
-        """The state of ``step`` from this node's snapshot (:meth:`available` must list it)."""
+        """The state of ``step`` from this node's snapshot (:meth:`available` must list it).
+
+        ``state.bin`` is mapped read-only and each tensor copied once out of the mapping. Raises
+        ``FileNotFoundError`` when no such snapshot is (any longer) here, ``ValueError`` when its
+        files do not agree."""
         snapshot = next((p for p in self.available() if p.step == step), None)
         if snapshot is None:
             raise FileNotFoundError(
                 f"no snapshot of step {step} for coordinate {self.coordinate} under {self.run_root}"
+                + (f" ({self.refused})" if self.refused is not None else "")
             )
-        with open(snapshot.path / "meta.pkl", "rb") as f:
-            saved = pickle.load(f)
-        data = (snapshot.path / "state.bin").read_bytes()
-        tensors, offset = {}, 0
-        for name, shape, dtype in saved["layout"]:
-            t = torch.empty(tuple(shape), dtype=dtype_from_name(dtype))
-            n = t.numel() * t.element_size()
-            if n:
-                t.view(-1).view(torch.uint8).copy_(
-                    torch.frombuffer(bytearray(data[offset : offset + n]), dtype=torch.uint8)
-                )
-            tensors[name] = t
-            offset += n
-        return EngineState(tensors, saved["meta"])
+        layout, meta = _read_meta(snapshot.path, snapshot.nbytes)
+        state = EngineState.empty_like(layout, meta)
+        fd = os.open(snapshot.path / STATE, os.O_RDONLY | _NOFOLLOW)
+        try:
+            size = os.fstat(fd).st_size
+            if size != snapshot.nbytes:
+                raise ValueError(f"{snapshot.path / STATE} holds {size} bytes, {snapshot.nbytes} published")
+            if not size:
+                return state
+            # A private copy-on-write mapping: writable for torch.frombuffer, never written back.
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        try:
+            offset = 0
+            for t in state.tensors.values():
+                n = t.numel() * t.element_size()
+                if n:
+                    src = torch.frombuffer(mapped, dtype=torch.uint8, count=n, offset=offset)
+                    t.view(-1).view(torch.uint8).copy_(src)
+                    del src  # the mapping can only be closed once no tensor views it
+                offset += n
+        finally:
+            try:
+                mapped.close()
+            except BufferError:  # a view still held by an exception's frame: unmapped when freed
+                pass
+        return state
 
     def remove_run(self) -> None:
         """Remove this run's snapshots on this node (the run completed or was cancelled)."""
@@ -254,7 +380,139 @@ class NodeSnapshots:
         for mapped in self._maps.values():
             mapped.close()
         self._maps.clear()
+        try:
+            self._checked_root()  # never remove anything through a folder that is not ours
+        except SnapshotDirRefused:
+            return
         shutil.rmtree(self.run_root, ignore_errors=True)
+
+
+# -- metadata as JSON ------------------------------------------------------------------------------
+# The engine meta holds plain values, tuples (AdamW's betas), bytes (RNG states) and possibly small
+# tensors. JSON objects hold them; a value JSON has no form for is an object with one "$" key. A
+# dict whose keys are not all plain strings is a "$dict" of pairs, so a "$" key never means two
+# things.
+
+
+def encode_meta(value: Any) -> Any:
+    """``value`` as JSON-able data, read back by :func:`decode_meta` (never by pickle)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, tuple):
+        return {"$tuple": [encode_meta(v) for v in value]}
+    if isinstance(value, list):
+        return [encode_meta(v) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in value):
+            return {k: encode_meta(v) for k, v in value.items()}
+        return {"$dict": [[encode_meta(k), encode_meta(v)] for k, v in value.items()]}
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to("cpu").contiguous()
+        return {
+            "$tensor": {
+                "dtype": dtype_name(t.dtype),
+                "shape": list(t.shape),
+                "data": base64.b64encode(_byte_view(t).numpy().tobytes()).decode("ascii"),
+            }
+        }
+    raise TypeError(f"a node snapshot cannot hold {type(value).__name__} in the engine meta")
+
+
+def decode_meta(value: Any) -> Any:
+    """Inverse of :func:`encode_meta`; ``ValueError`` on anything it does not write."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list):
+        return [decode_meta(v) for v in value]
+    if not isinstance(value, dict):
+        raise ValueError(f"unexpected {type(value).__name__} in a snapshot's meta")
+    tags = [k for k in value if k.startswith("$")]
+    if not tags:
+        return {k: decode_meta(v) for k, v in value.items()}
+    if len(value) != 1:
+        raise ValueError(f"malformed tagged value {tags[0]!r} in a snapshot's meta")
+    ((tag, inner),) = value.items()
+    try:
+        if tag == "$bytes":
+            return base64.b64decode(inner, validate=True)
+        if tag == "$tuple":
+            return tuple(decode_meta(v) for v in inner)
+        if tag == "$dict":
+            return {_hashable(decode_meta(k)): decode_meta(v) for k, v in inner}
+        if tag == "$tensor":
+            dtype = dtype_from_name(inner["dtype"])
+            shape = tuple(int(s) for s in inner["shape"])
+            data = bytearray(base64.b64decode(inner["data"], validate=True))
+            out = torch.empty(shape, dtype=dtype)
+            if len(data) != out.numel() * out.element_size():
+                raise ValueError("a tensor in a snapshot's meta does not match its shape")
+            if data:
+                out.view(-1).view(torch.uint8).copy_(torch.frombuffer(data, dtype=torch.uint8))
+            return out
+    except (binascii.Error, KeyError, TypeError) as error:
+        raise ValueError(f"malformed {tag} in a snapshot's meta: {error}") from error
+    raise ValueError(f"unknown tag {tag!r} in a snapshot's meta")
+
+
+def _hashable(key: Any) -> Any:
+    if isinstance(key, (dict, list)):
+        raise ValueError("a dict key in a snapshot's meta is not hashable")
+    return key
+
+
+def _read_meta(slot: Path, nbytes: int) -> tuple[list[tuple[str, tuple[int, ...], str]], dict[str, Any]]:
+    """A slot's layout and engine meta; ``ValueError`` unless it parses and its layout's tensors
+    take exactly ``nbytes`` (``OSError`` when it cannot be read)."""
+    try:
+        return _parse_meta(slot, nbytes)
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"{slot / META} is not a snapshot's metadata ({error})") from error
+
+
+def _parse_meta(slot: Path, nbytes: int) -> tuple[list[tuple[str, tuple[int, ...], str]], dict[str, Any]]:
+    saved = json.loads(_read_private(slot / META))
+    if not isinstance(saved, dict) or not isinstance(saved.get("layout"), list):
+        raise ValueError(f"{slot / META} is not a snapshot's metadata")
+    layout, total, names = [], 0, set()
+    for entry in saved["layout"]:
+        if not (isinstance(entry, list) and len(entry) == 3):
+            raise ValueError(f"{slot / META}: malformed layout entry {entry!r}")
+        name, shape, dtype = entry
+        if (
+            not isinstance(name, str)
+            or name in names
+            or not isinstance(shape, list)
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise ValueError(f"{slot / META}: malformed layout entry {entry!r}")
+        names.add(name)
+        numel = 1
+        for d in shape:
+            numel *= d
+        total += numel * dtype_from_name(dtype).itemsize
+        layout.append((name, tuple(shape), dtype))
+    if total != nbytes:
+        raise ValueError(f"{slot / META}: its layout takes {total} bytes, {nbytes} published")
+    meta = decode_meta(saved.get("meta", {}))
+    if not isinstance(meta, dict):
+        raise ValueError(f"{slot / META}: the engine meta is not a mapping")
+    return layout, meta
+
+
+# -- files -----------------------------------------------------------------------------------------
+def _write_private(path: Path, data: bytes) -> None:
+    """``data`` into ``path`` (created ``0600``, truncated), never through a symlink."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _read_private(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
 
 
 def _reserve(fd: int, path: Path, nbytes: int) -> None:
@@ -298,6 +556,7 @@ def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
 
 def _read_published(slot: Path) -> dict | None:
     try:
-        return json.loads((slot / PUBLISHED).read_text())
+        record = json.loads(_read_private(slot / PUBLISHED))
     except (OSError, ValueError):
         return None
+    return record if isinstance(record, dict) else None

@@ -1,10 +1,15 @@
-"""Node-memory snapshots: published only when complete, two slots, a torn write keeps the newest."""
+"""Node-memory snapshots: published only when complete, two slots, a torn write keeps the newest;
+a folder private to its user, metadata in JSON, restored through a mapping."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import pickle
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -14,7 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanotron_recover.data_parallel.forward.snapshots import NodeSnapshots, SnapshotSkipped
+from nanotron_recover.config import SnapshotArgs
+from nanotron_recover.data_parallel.forward import snapshots as snapshots_module
+from nanotron_recover.data_parallel.forward.snapshots import (
+    NodeSnapshots,
+    SnapshotDirRefused,
+    SnapshotSkipped,
+    decode_meta,
+    encode_meta,
+)
 from nanotron_recover.engines.state import EngineState
 
 
@@ -225,3 +238,236 @@ def test_a_tmpfs_too_small_skips_the_snapshot_instead_of_killing_the_rank(tmp_pa
     # The failed reservations hold no pages: the small snapshot fits again beside step 1.
     assert lines["steps"] == "[4, 1] None", lines
     assert lines["loaded"] == "1000.0", lines
+
+
+# -- a folder private to its user ------------------------------------------------------------------
+def test_the_default_folder_is_per_user_and_created_private(tmp_path):
+    assert SnapshotArgs().dir == f"/dev/shm/nanotron-recover-{os.getuid()}"
+    assert SnapshotArgs(dir="/x/snaps-{uid}/y").dir == f"/x/snaps-{os.getuid()}/y"
+    snaps = store(tmp_path / "shm-{uid}")
+    snaps.write(1, lambda: state_of(1), asynchronous=False)
+    root = tmp_path / f"shm-{os.getuid()}"
+    assert snaps.root == root and snaps.error is None
+    st = os.lstat(root)
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+    slot = root / "run-a" / "c0" / "r0" / "slot0"
+    for name in ("state.bin", "meta.json", "published.json"):
+        assert stat.S_IMODE(os.lstat(slot / name).st_mode) == 0o600, name
+
+
+def test_a_folder_of_ours_left_open_is_made_private_again(tmp_path):
+    root = tmp_path / "shm"
+    root.mkdir()
+    os.chmod(root, 0o755)  # created by an older version, or by hand
+    store(root).write(1, lambda: state_of(1), asynchronous=False)
+    assert stat.S_IMODE(os.lstat(root).st_mode) == 0o700
+    assert [p.step for p in store(root).available()] == [1]
+
+
+def assert_refused(snaps: NodeSnapshots, why: str) -> None:
+    """The write is a skipped snapshot (reported, not raised: the rank trains on) and nothing is
+    read from the folder either."""
+    snaps.write(1, lambda: state_of(1))
+    snaps.wait()
+    assert isinstance(snaps.error, SnapshotDirRefused) and isinstance(snaps.error, SnapshotSkipped)
+    message = str(snaps.error)
+    assert "\n" not in message and why in message and "recover.snapshot.dir" in message, message
+    assert snaps.available() == [] and snaps.refused is not None
+    with pytest.raises(FileNotFoundError):
+        snaps.load(1)
+
+
+def test_a_symlinked_folder_is_refused_and_never_written_through(tmp_path):
+    elsewhere = tmp_path / "someone-elses"
+    elsewhere.mkdir(mode=0o700)
+    store(elsewhere).write(3, lambda: state_of(3), asynchronous=False)  # a snapshot behind the link
+    before = sorted((p, p.stat().st_mtime_ns) for p in elsewhere.rglob("*"))
+    (tmp_path / "shm").symlink_to(elsewhere)
+    snaps = store(tmp_path / "shm")
+    assert_refused(snaps, "is a symlink")
+    snaps.remove_run()  # removes nothing through the link either
+    assert sorted((p, p.stat().st_mtime_ns) for p in elsewhere.rglob("*")) == before
+
+
+def test_a_folder_of_another_user_is_refused(tmp_path, monkeypatch):
+    root = tmp_path / "shm"
+    root.mkdir(mode=0o700)  # owned by this test's uid; the store below runs as another one
+    monkeypatch.setattr(os, "getuid", lambda: 4242)
+    assert_refused(store(root), f"belongs to uid {os.stat(root).st_uid}, not to this user (uid 4242)")
+    assert list(root.iterdir()) == []
+
+
+def test_a_file_in_place_of_the_folder_and_an_open_parent_are_refused(tmp_path):
+    (tmp_path / "file").write_text("")
+    assert_refused(store(tmp_path / "file"), "not a directory")
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    os.chmod(open_parent, 0o777)  # anyone may rename the folder away: no sticky bit
+    if os.geteuid() == 0:
+        os.chown(open_parent, 4242, -1)  # and it is not ours
+        assert_refused(store(open_parent / "shm"), "writable by every user without the sticky bit")
+    os.chmod(open_parent, 0o1777)  # like /dev/shm and /tmp
+    snaps = store(open_parent / "shm")
+    snaps.write(1, lambda: state_of(1), asynchronous=False)
+    assert snaps.error is None and [p.step for p in snaps.available()] == [1]
+
+
+def test_files_planted_as_symlinks_are_never_followed(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    snaps = store(tmp_path / "shm")
+    snaps.write(1, lambda: state_of(1), asynchronous=False)
+    slot0 = tmp_path / "shm" / "run-a" / "c0" / "r0" / "slot0"
+    slot1 = slot0.parent / "slot1"
+    slot1.mkdir()
+    (slot1 / "state.bin").symlink_to(victim)
+    snaps.write(2, lambda: state_of(2), asynchronous=False)  # into slot1: its state.bin is a link
+    assert isinstance(snaps.error, OSError) and victim.read_bytes() == b"precious"
+    (slot1 / "state.bin").unlink()
+    (slot1 / "meta.json").symlink_to(victim)
+    snaps.write(2, lambda: state_of(2), asynchronous=False)
+    assert isinstance(snaps.error, OSError) and victim.read_bytes() == b"precious"
+    # A published.json that is a link is no snapshot.
+    (slot1 / "meta.json").unlink()
+    published = json.loads((slot0 / "published.json").read_text())
+    (slot0 / "published.json").unlink()
+    victim.write_text(json.dumps(published))
+    (slot0 / "published.json").symlink_to(victim)
+    assert snaps.available() == []
+
+
+# -- metadata: JSON, never pickle ------------------------------------------------------------------
+def test_the_engine_meta_round_trips_through_json():
+    meta = {
+        "engine": "3d",
+        "coordinate": "tp0-pp1",
+        "optimizer": {
+            "steps": {"w": 12.0, "b": None},
+            "param_groups": [
+                {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-5, "foreach": None, "fused": False}
+            ],
+        },
+        "rng": {"cpu": bytes(range(256)) * 20, "cuda": b""},
+        "odd": {1: "int key", "$x": "a key like a tag", (1, 2): [float("inf"), -0.0]},
+        "tensor": torch.tensor([[1.5, -2.0]], dtype=torch.bfloat16),
+    }
+    text = json.dumps(encode_meta(meta))
+    back = decode_meta(json.loads(text))
+    tensor = back.pop("tensor")
+    assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, meta.pop("tensor"))
+    assert back == meta
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.95)  # a tuple again
+    assert math.copysign(1.0, back["odd"][(1, 2)][1]) == -1.0
+    with pytest.raises(TypeError, match="cannot hold object"):
+        encode_meta({"x": object()})
+    for bad in ({"$eval": "x"}, {"$bytes": "not base64!"}, {"$tuple": [1], "extra": 2}, {"$tensor": {}}):
+        with pytest.raises(ValueError):
+            decode_meta(bad)
+
+
+def test_meta_is_json_and_a_planted_pickle_is_never_loaded(tmp_path):
+    snaps = store(tmp_path)
+    snaps.write(1, lambda: state_of(1), asynchronous=False)
+    slot = tmp_path / "run-a" / "c0" / "r0" / "slot0"
+    assert not (slot / "meta.pkl").exists()
+    saved = json.loads((slot / "meta.json").read_text())
+    assert saved["layout"][1] == ["param/b16", [7], "bfloat16"]
+
+    marker = tmp_path / "pickle-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (marker.write_text, ("ran",))
+
+    (slot / "meta.pkl").write_bytes(pickle.dumps(Payload()))
+    assert_same(snaps.load(1), state_of(1))
+    (slot / "meta.json").unlink()
+    assert snaps.available() == []  # no JSON metadata: not a snapshot (the pickle is ignored)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "not json{",
+        json.dumps({"layout": "x"}),
+        json.dumps({"layout": [["param/w", [999], "float32"]], "meta": {}}),  # bytes do not add up
+        json.dumps({"layout": [["param/w", [1000], "complex128"]], "meta": {}}),
+        json.dumps({"layout": [["w", ["1000"], "float32"]], "meta": {}}),
+        json.dumps({"layout": [], "meta": {"$pickle": "gASV"}}),
+    ],
+)
+def test_a_snapshot_whose_metadata_does_not_parse_is_skipped(tmp_path, damage):
+    snaps = store(tmp_path)
+    snaps.write(1, lambda: state_of(1), asynchronous=False)
+    snaps.write(2, lambda: state_of(2), asynchronous=False)
+    (tmp_path / "run-a" / "c0" / "r0" / "slot1" / "meta.json").write_text(damage)  # step 2's
+    assert [p.step for p in snaps.available()] == [1]
+    with pytest.raises(FileNotFoundError):
+        snaps.load(2)
+
+
+# -- two slots across generations ------------------------------------------------------------------
+def test_after_a_relaunch_the_older_generations_slots_are_replaced_first(tmp_path):
+    """Generation 0 published steps 9 and 10; generation 1 restarts from step 5 and redoes 6, 7, 8.
+    Ordered by step alone, the stale step 10 stayed and every write replaced the previous good one
+    ([10, 6], [10, 7], [10, 8]): a write torn then left no snapshot of generation 1."""
+    gen0 = store(tmp_path, generation=0)
+    for step in (9, 10):
+        gen0.write(step, lambda step=step: state_of(step), asynchronous=False)
+    gen1 = store(tmp_path, generation=1)
+    seen = []
+    for step in (6, 7, 8):
+        gen1.write(step, lambda step=step: state_of(step), asynchronous=False)
+        assert gen1.error is None
+        seen.append([(p.step, p.generation) for p in gen1.available()])
+    assert seen == [[(10, 0), (6, 1)], [(7, 1), (6, 1)], [(8, 1), (7, 1)]]
+    assert_same(gen1.load(7), state_of(7))
+    assert_same(gen1.load(8), state_of(8))
+
+
+# -- restore through a mapping ---------------------------------------------------------------------
+def test_load_is_bit_for_bit_through_a_mapping_without_reading_the_file(tmp_path, monkeypatch):
+    special = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf"), 1e-45, 3.4e38])
+    payload = torch.tensor([0x7FC00001, 0x7F800001, 0xFFFFFFFF], dtype=torch.int64).to(torch.int32)
+    state = EngineState(
+        {
+            "f32": torch.cat([special, payload.view(torch.float32)]),  # NaN payloads kept
+            "bf16": torch.randn(33, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16),
+            "i64": torch.tensor([-(2**63), 2**63 - 1, 0, -1], dtype=torch.int64),
+            "bool": torch.tensor([[True, False], [False, True]]),
+            "empty": torch.zeros(0),
+            "empty2d": torch.zeros((3, 0), dtype=torch.bfloat16),
+            "u8": torch.arange(256, dtype=torch.uint8),
+        },
+        {"step": 4},
+    )
+    snaps = store(tmp_path)
+    snaps.write(4, lambda: state, asynchronous=False)
+
+    def no_whole_file(*args, **kwargs):
+        raise AssertionError("state.bin read whole")
+
+    monkeypatch.setattr(Path, "read_bytes", no_whole_file)
+    got = snaps.load(4)
+    assert list(got.tensors) == list(state.tensors)
+    for name, want in state.tensors.items():
+        have = got.tensors[name]
+        assert have.dtype == want.dtype and have.shape == want.shape, name
+        assert snapshots_module._byte_view(have).tolist() == snapshots_module._byte_view(want).tolist(), name
+    # The loaded tensors own their memory: the mapping is gone, the file may change.
+    bin_path = tmp_path / "run-a" / "c0" / "r0" / "slot0" / "state.bin"
+    with open(bin_path, "r+b") as f:
+        f.write(b"\0" * 16)
+    got.tensors["u8"].add_(1)  # writable
+    assert got.tensors["f32"][2] == float("inf")
+    assert snapshots_module._byte_view(snaps.load(4).tensors["u8"]).tolist()[16:] == list(range(16, 256))
+
+
+def test_a_snapshot_removed_after_it_was_listed_is_file_not_found(tmp_path):
+    snaps = store(tmp_path)
+    snaps.write(1, lambda: state_of(1), asynchronous=False)
+    assert [p.step for p in snaps.available()] == [1]
+    shutil.rmtree(tmp_path / "run-a")
+    with pytest.raises(FileNotFoundError, match="no snapshot of step 1"):
+        snaps.load(1)
