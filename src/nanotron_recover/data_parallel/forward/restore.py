@@ -10,7 +10,9 @@ held the same state, so any replica's snapshot of a ``(pp, tp)`` coordinate will
    latest disk checkpoint, and says so.
 3. Per coordinate, the replicas whose node holds that step load it locally; the others (new or
    spare nodes) receive it over the coordinate's DP communicator from a replica that has it, with
-   the re-join's state transfer (``state_transfer.py``).
+   the re-join's state transfer (``state_transfer.py``). A snapshot that cannot be read any more
+   (removed since it was listed, or damaged) counts as not held; a coordinate left without a
+   readable copy makes every rank fall back to the disk checkpoint alike, and says so.
 4. Training goes on with the step after it; the steps after the snapshot are redone with the same
    micro-batch ids, so the curve is the fault-free curve.
 """
@@ -54,26 +56,52 @@ def restore_from_snapshots(
     ftc: object, snapshots: NodeSnapshots, coordinates: int, at_most: int | None = None
 ) -> tuple[int, EngineState] | None:
     """Steps 1-3 above on every rank of the new job: the step restored and this rank's state, or
-    None (no step is held by every coordinate: use the disk checkpoint). ``at_most``: the last step
-    the previous generation committed; a newer snapshot can only come from a process that was cut
-    off from the job and trained on alone, and is never used."""
+    None on every rank alike (use the disk checkpoint). ``at_most``: the last step the previous
+    generation committed; a newer snapshot can only come from a process that was cut off from the
+    job and trained on alone, and is never used.
+
+    A snapshot listed but not readable any more (removed in between, or damaged) counts as not
+    held: the rank receives the state from another replica of its coordinate that did read it;
+    when no replica of some coordinate could, every rank falls back, and the ranks that failed to
+    read say why. The answers are agreed over the same collectives on every rank, so no rank waits
+    in a transfer that another rank skipped."""
     mine = sorted({p.step for p in snapshots.available() if at_most is None or p.step <= at_most})
+    if snapshots.refused is not None:
+        print(f"[nanotron-recover] rank {ftc.rank}: warning: {snapshots.refused}", flush=True)
     holdings = ftc.global_comm.allgather((ftc.local_rank, mine))
     step = newest_common_step(holdings, coordinates)
     if step is None:
         return None
-    # Replicas of my coordinate whose node holds the step (the DP communicator orders by replica).
-    has = ftc.dp_comm.allgather((ftc.replica, step in mine))
+    state, error = None, None
+    if step in mine:
+        try:
+            state = snapshots.load(step)
+        except (OSError, ValueError) as exc:  # FileNotFoundError included: gone since it was listed
+            error = f"{type(exc).__name__}: {exc}"
+            print(
+                f"[nanotron-recover] rank {ftc.rank}: warning: the node snapshot of step {step} "
+                f"could not be read ({error}); it counts as not held here",
+                flush=True,
+            )
+    # Replicas of my coordinate that read the step (the DP communicator orders by replica).
+    has = ftc.dp_comm.allgather((ftc.replica, state is not None))
     donors = sorted(r for r, holds in has if holds)
     receivers = sorted(r for r, holds in has if not holds)
-    if ftc.replica in donors and not receivers:
-        return step, snapshots.load(step)
-    transfer = transfer_state(
-        ftc.dp_comm, ftc.replica, donors, receivers, export=lambda: snapshots.load(step)
-    )
+    # Every coordinate needs a donor; one without is known to its own ranks only: ask everyone.
+    coverable = ftc.global_comm.allgather(bool(donors))
+    if not all(coverable):
+        if ftc.rank == 0:
+            print(
+                f"[nanotron-recover] relaunched: the node snapshot of step {step} could not be read "
+                "by any replica of some coordinate",
+                flush=True,
+            )
+        return None
+    if not receivers:
+        return step, state
+    transfer = transfer_state(ftc.dp_comm, ftc.replica, donors, receivers, export=lambda: state)
     if not transfer.ok:
         raise RuntimeError(
             f"restoring step {step} from node snapshots failed: a peer was lost during the transfer"
         )
-    state = transfer.received if ftc.replica in receivers else snapshots.load(step)
-    return step, state
+    return step, transfer.received if ftc.replica in receivers else state
