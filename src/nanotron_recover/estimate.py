@@ -12,6 +12,12 @@ Memory per GPU is estimated for the heaviest pipeline stage:
 It is an estimate (allocator slack, communication buffers and CUDA context are not counted), made to
 catch layouts that cannot fit, not to replace a profile.
 
+In forward-recovery mode the plan also says what the node-memory snapshots (``recover.snapshot``)
+take in the node's shared memory, outside the GPU: two slots of the rank's state (its parameters,
+fp32 masters and AdamW moments, as above) per rank, and per node that times the ranks per node
+when the launch tells it (Slurm's ``SLURM_NTASKS_PER_NODE`` or ``SLURM_GPUS_ON_NODE``), else for 4
+and 8 ranks per node; and the folder they live in.
+
 The plan opens with the ``note:`` lines of the fields accepted although they run differently here
 (:func:`~nanotron_recover.config.validate.config_notes`), and says which steps the profiler records
 and where a benchmark row goes.
@@ -19,6 +25,9 @@ and where a benchmark row goes.
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .config import Config
@@ -110,8 +119,69 @@ def estimate_stage(cfg: Config, pp_rank: int) -> StageEstimate:
     )
 
 
-def plan_summary(cfg: Config) -> dict:
-    """Everything ``--dry-run`` prints, as a dict (also used by tests)."""
+SNAPSHOT_SLOTS = 2  # a snapshot is written into the older of two slots (data_parallel/forward/snapshots.py)
+
+
+@dataclass(frozen=True)
+class NodeSnapshotEstimate:
+    """What ``recover.snapshot`` takes in node memory (``dir``): ``slots`` copies of the heaviest
+    rank's state per rank, and per node that times ``ranks_per_node`` (None: not known here)."""
+
+    state_bytes: int  # one slot: parameters, fp32 masters, AdamW moments of the heaviest rank
+    slots: int
+    dir: str
+    ranks_per_node: int | None
+    ranks_per_node_from: str | None  # where ranks_per_node was read
+    max_bytes: int | None  # recover.snapshot.max_mb
+
+    @property
+    def per_rank_bytes(self) -> int:
+        return self.slots * self.state_bytes
+
+    def per_node_bytes(self, ranks: int) -> int:
+        return ranks * self.per_rank_bytes
+
+
+def node_state_bytes(stage: StageEstimate, cfg: Config) -> int:
+    """Bytes of one rank's exported state (``export_state``): its parameters in the model dtype
+    and fp32 masters (for HSDP the fp32 shards, which are the masters) and two fp32 AdamW moments."""
+    if cfg.parallelism.dp_shard > 1:
+        return 4 * stage.parameters + stage.optimizer_bytes
+    return stage.param_bytes + stage.master_bytes + stage.optimizer_bytes
+
+
+def ranks_per_node_of(env: Mapping[str, str]) -> tuple[int, str] | None:
+    """Ranks per node of the allocation the dry run runs in, and the variable it comes from."""
+    for name in ("SLURM_NTASKS_PER_NODE", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"):
+        # "8", "8(x2)" (per node, repeated), "a100:8" (typed GPUs)
+        match = re.fullmatch(r"(?:[\w-]+:)?(\d+)(?:\(x\d+\))?", env.get(name, "").split(",")[0])
+        if match and int(match.group(1)) > 0:
+            return int(match.group(1)), name
+    return None
+
+
+def node_snapshot_estimate(
+    cfg: Config, stages: list[StageEstimate], env: Mapping[str, str] | None = None
+) -> NodeSnapshotEstimate | None:
+    """The node-memory snapshots of this config (None: off, or not in forward-recovery mode)."""
+    n = cfg.recover.snapshot
+    if not cfg.recover.forward or not n.interval:
+        return None
+    known = ranks_per_node_of(os.environ if env is None else env)
+    ranks, source = known if known else (None, None)
+    return NodeSnapshotEstimate(
+        state_bytes=max(node_state_bytes(e, cfg) for e in stages),
+        slots=SNAPSHOT_SLOTS,
+        dir=n.dir,
+        ranks_per_node=None if ranks is None else min(ranks, cfg.world_size),
+        ranks_per_node_from=source,
+        max_bytes=None if n.max_mb is None else int(n.max_mb * 2**20),
+    )
+
+
+def plan_summary(cfg: Config, env: Mapping[str, str] | None = None) -> dict:
+    """Everything ``--dry-run`` prints, as a dict (also used by tests). ``env``: where the ranks
+    per node are looked up (the process's environment by default)."""
     p = cfg.parallelism
     if p.dp_shard > 1:
         stages = [estimate_hsdp_rank(cfg)]
@@ -133,6 +203,8 @@ def plan_summary(cfg: Config) -> dict:
         "recover": cfg.recover.enabled,
         "stages": stages,
         "worst_stage": worst,
+        "node_snapshots": node_snapshot_estimate(cfg, stages, env),
+        "snapshot_interval": cfg.recover.snapshot.interval if cfg.recover.forward else None,
         "notes": config_notes(cfg),
         "profiler": _profiler_plan(cfg),
         "benchmark_csv": str(cfg.general.benchmark_csv_path) if cfg.general.benchmark_csv_path else None,
@@ -175,9 +247,43 @@ def format_plan(summary: dict) -> str:
         f"  activations   {w.activation_bytes / GIB:8.2f} GiB",
         f"  snapshots     {w.snapshot_bytes / GIB:8.2f} GiB",
         f"  total         {w.total_bytes / GIB:8.2f} GiB",
+        *_node_snapshot_lines(summary),
     ]
     if summary.get("profiler"):
         lines.append(f"profiler        {summary['profiler']}")
     if summary.get("benchmark_csv"):
         lines.append(f"benchmark csv   {summary['benchmark_csv']} (a throughput row at the end of training)")
     return "\n".join(lines)
+
+
+def _node_snapshot_lines(summary: dict) -> list[str]:
+    """The node-memory snapshots, per rank and per node, and their folder (forward mode only)."""
+    n: NodeSnapshotEstimate | None = summary.get("node_snapshots")
+    if n is None:
+        return (
+            ["node memory     recover.snapshot off (interval 0)"]
+            if summary.get("snapshot_interval") == 0
+            else []
+        )
+    lines = [
+        f"node memory (recover.snapshot in {n.dir}: {n.slots} slots of parameters, fp32 masters, AdamW moments):",
+        f"  per rank      {n.per_rank_bytes / GIB:8.2f} GiB ({n.slots} x {n.state_bytes / GIB:.2f} GiB)",
+    ]
+    if n.ranks_per_node is not None:
+        lines.append(
+            f"  per node      {n.per_node_bytes(n.ranks_per_node) / GIB:8.2f} GiB "
+            f"({n.ranks_per_node} ranks per node, {n.ranks_per_node_from})"
+        )
+    else:
+        world = summary["world_size"]
+        shown = sorted({r for r in (4, 8) if r < world} | ({world} if world <= 8 else set()))
+        lines.append(
+            f"  per node      {n.per_node_bytes(shown[0]) / GIB:8.2f} GiB with {shown[0]} ranks per node"
+            + "".join(f", {n.per_node_bytes(r) / GIB:.2f} GiB with {r}" for r in shown[1:])
+            + " (ranks per node not known here)"
+        )
+    if n.max_bytes is not None and n.state_bytes > n.max_bytes:
+        lines.append(
+            f"  over recover.snapshot.max_mb ({n.max_bytes / 2**20:.0f} MiB): the heaviest rank skips its snapshots"
+        )
+    return lines

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -241,3 +242,54 @@ def test_a_plain_config_plans_without_notes_profiler_or_csv():
     text = format_plan(plan_summary(config()))
     assert text.startswith("world size") and "note:" not in text
     assert "profiler" not in text and "benchmark csv" not in text
+
+
+# -- node-memory snapshots -------------------------------------------------------------------------
+def test_the_plan_says_what_the_node_snapshots_take_per_rank_and_per_node():
+    """Two slots of the heaviest rank's state (model-dtype parameters, fp32 masters, two fp32
+    AdamW moments: 14 bytes a parameter in bf16), per node times the ranks the launch puts there."""
+    cfg = load_config(REPO / "configs" / "llama7b_c4.yaml", check_paths=False)
+    uid = os.getuid()
+    plan = plan_summary(cfg, env={})
+    n = plan["node_snapshots"]
+    heaviest = max(e.parameters for e in plan["stages"])
+    assert n.state_bytes == 14 * heaviest and n.slots == 2
+    assert n.per_rank_bytes == 28 * heaviest and n.dir == f"/dev/shm/nanotron-recover-{uid}"
+    assert n.ranks_per_node is None
+    lines = format_plan(plan).splitlines()
+    at = lines.index(
+        f"node memory (recover.snapshot in /dev/shm/nanotron-recover-{uid}: "
+        "2 slots of parameters, fp32 masters, AdamW moments):"
+    )
+    gib = 28 * heaviest / 2**30
+    assert lines[at + 1] == f"  per rank      {gib:8.2f} GiB (2 x {gib / 2:.2f} GiB)"
+    assert lines[at + 2] == (
+        f"  per node      {4 * gib:8.2f} GiB with 4 ranks per node, {8 * gib:.2f} GiB with 8 "
+        "(ranks per node not known here)"
+    )
+    # Inside a Slurm allocation: its ranks per node.
+    for env, source in [
+        ({"SLURM_NTASKS_PER_NODE": "8(x64)"}, "SLURM_NTASKS_PER_NODE"),
+        ({"SLURM_GPUS_ON_NODE": "8"}, "SLURM_GPUS_ON_NODE"),
+        ({"SLURM_GPUS_PER_NODE": "a100:8"}, "SLURM_GPUS_PER_NODE"),
+    ]:
+        text = format_plan(plan_summary(cfg, env=env))
+        assert f"  per node      {8 * gib:8.2f} GiB (8 ranks per node, {source})" in text
+
+
+def test_node_snapshots_of_an_hsdp_rank_a_small_job_a_cap_and_when_off():
+    hsdp = plan_summary(load_config(REPO / "configs" / "llama7b_c4_hsdp.yaml", check_paths=False), env={})
+    shard = hsdp["worst_stage"].parameters
+    assert hsdp["node_snapshots"].state_bytes == 12 * shard  # fp32 shards (the masters) + moments
+    # A job on one host: its world size is its ranks per node.
+    small = config("recover.enabled=true", "parallelism.dp=2")
+    text = format_plan(plan_summary(small, env={}))
+    assert "GiB with 2 ranks per node (ranks per node not known here)" in text
+    capped = format_plan(
+        plan_summary(config("recover.enabled=true", "recover.snapshot.max_mb=0.001"), env={})
+    )
+    assert "over recover.snapshot.max_mb" in capped
+    off = plan_summary(config("recover.enabled=true", "recover.snapshot.interval=0"), env={})
+    assert off["node_snapshots"] is None
+    assert "node memory     recover.snapshot off (interval 0)" in format_plan(off)
+    assert plan_summary(config(), env={})["node_snapshots"] is None  # no forward recovery
