@@ -6,7 +6,7 @@ scheduled for and the step in progress when it was sent, what the job did -- the
 recorded between this fault and the next one (``incidents.jsonl``: kind and action of a repair, a
 re-join's status, a relaunch's generation from ``generation.json``), the time from the fault to the
 next commit and to the next commit at full width, and the steps redone (a relaunch's
-``steps_redone``, or the drop of the last committed step the runner saw).
+``steps_redone``).
 
 Totals: the share of the wall time (first to last commit) spent at full width (``replicas`` equal to
 the initial ``dp``), relaunches, failed and given-up re-joins, healthy ranks declared dead (a rank in
@@ -137,9 +137,6 @@ def judge(
             full = next((c for c in watch.commits if c.time > sent_at and c.replicas == dp), None)
         relaunches = [i for i in window if i.get("kind") in RELAUNCH_KINDS]
         redone = sum(int(i.get("steps_redone", 0)) for i in relaunches)
-        drops = [(a, b) for at, a, b in watch.step_drops if sent_at is not None and at > sent_at]
-        if not redone and drops and relaunches:
-            redone = max(a - b for a, b in drops)
         faults.append(
             {
                 **{k: v for k, v in f.items() if k not in ("incidents_before", "generation_before")},
