@@ -113,3 +113,79 @@ class SpawnedMonitor:
                 self.check()
             except Exception as error:  # the monitor must outlive a bad look
                 print(f"[nanotron-recover] spawned-process monitor: {error}", file=sys.stderr, flush=True)
+
+
+class JoinWatch:
+    """A member's watch over the processes its re-join spawned, while the join runs.
+
+    The members wait for those processes inside ``Spawn`` and ``Intercomm_merge``, which no
+    failure detector watches and no revoke interrupts (Open MPI 5.0): a process that dies or
+    freezes there holds every member until the join's deadline (``recover.rejoin.join_timeout_s``,
+    minutes). Each spawned process touches its heartbeat file from its first moments
+    (:func:`start_heartbeat`), so the members look at the files that appeared since the join
+    began: a file silent for the heartbeat timeout, or fewer files than processes spawned once
+    ``start_s`` has passed, means the join cannot complete. ``on_lost(reason)`` is then called once,
+    from the watch's thread (the mode gives the job up, and its supervisor relaunches it from node
+    memory at once instead of at the deadline)."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        expected: int,
+        period_s: float,
+        timeout_s: float,
+        start_s: float,
+        on_lost: Callable[[str], None],
+    ) -> None:
+        self.dir = Path(run_dir) / "heartbeats"
+        self.expected, self.period_s, self.timeout_s, self.start_s = expected, period_s, timeout_s, start_s
+        self._on_lost = on_lost
+        self._before = self._names()
+        self.began = time.time()
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="join-watch", daemon=True)
+
+    def _names(self) -> set[str]:
+        try:
+            return {p.name for p in self.dir.iterdir()}
+        except OSError:
+            return set()
+
+    def check(self, now: float | None = None) -> str | None:
+        """One look: why the join cannot complete, or None."""
+        now = time.time() if now is None else now
+        fresh = sorted(self._names() - self._before)
+        for name in fresh:
+            try:
+                age = now - (self.dir / name).stat().st_mtime
+            except OSError:
+                continue
+            if age > self.timeout_s:
+                return f"spawned process {name} sent no heartbeat for {age:.1f} s during the re-join"
+        if len(fresh) < self.expected and now - self.began > self.start_s:
+            return (
+                f"{len(fresh)} of the {self.expected} spawned processes started within "
+                f"{now - self.began:.0f} s of the re-join"
+            )
+        return None
+
+    def __enter__(self) -> JoinWatch:
+        if self.expected > 0:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                reason = self.check()
+            except Exception as error:  # the watch must outlive a bad look
+                print(f"[nanotron-recover] join watch: {error}", file=sys.stderr, flush=True)
+                continue
+            if reason is not None and not self._stop.is_set():
+                self.lost = reason
+                self._on_lost(reason)
+                return

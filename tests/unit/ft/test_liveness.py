@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nanotron_recover.ft.liveness import SpawnedMonitor, heartbeat_file, start_heartbeat
+from nanotron_recover.ft.liveness import JoinWatch, SpawnedMonitor, heartbeat_file, start_heartbeat
 from nanotron_recover.ft.processes import ProcessInfo, reap
 
 HOST = socket.gethostname()
@@ -92,3 +92,52 @@ def test_what_the_monitor_leaves_alone(tmp_path, child):
     assert monitor.check(now=time.time() + 60) == [beating]
     assert [c[0] for c in calls] == [beating] and calls[0][2] > 59
     assert monitor.check(now=time.time() + 60) == [], "each process is handed over once"
+
+
+def beat(run_dir: Path, name: str, at: float) -> None:
+    path = run_dir / "heartbeats" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    os.utime(path, (at, at))
+
+
+def join_watch(run_dir: Path, expected: int, lost: list[str]) -> JoinWatch:
+    return JoinWatch(run_dir, expected, period_s=0.05, timeout_s=5.0, start_s=30.0, on_lost=lost.append)
+
+
+def test_join_watch_finds_a_spawned_process_gone_silent_but_not_the_older_ones(tmp_path):
+    now = time.time()
+    beat(tmp_path, "host.100", now - 600)  # a process spawned by an earlier join, dead since
+    watch = join_watch(tmp_path, expected=2, lost=[])
+    beat(tmp_path, "host.201", now)
+    beat(tmp_path, "host.202", now)
+    assert watch.check(now + 4.0) is None
+    beat(tmp_path, "host.201", now + 4.0)  # still beating; 202 is not
+    reason = watch.check(now + 5.5)
+    assert reason is not None and "host.202 sent no heartbeat for 5.5 s" in reason
+
+
+def test_join_watch_finds_a_spawned_process_that_never_started(tmp_path):
+    watch = join_watch(tmp_path, expected=2, lost=[])
+    beat(tmp_path, "host.201", watch.began + 29.0)
+    assert watch.check(watch.began + 29.5) is None  # the second may still be importing
+    assert (
+        watch.check(watch.began + 31.0) == "1 of the 2 spawned processes started within 31 s of the re-join"
+    )
+
+
+def test_join_watch_thread_reports_once_and_stops_with_the_join(tmp_path):
+    lost: list[str] = []
+    with join_watch(tmp_path, expected=1, lost=lost) as watch:
+        beat(tmp_path, "host.301", time.time() - 10)  # appeared, then silent past the timeout
+        deadline = time.time() + 10
+        while not lost and time.time() < deadline:
+            time.sleep(0.02)
+    assert len(lost) == 1 and "host.301" in lost[0] and watch.lost == lost[0]
+    lost.clear()
+    with join_watch(tmp_path, expected=1, lost=lost):
+        pass  # a join that completed at once: nothing reported after it
+    time.sleep(0.2)
+    assert lost == []
+    with join_watch(tmp_path, expected=0, lost=lost) as idle:
+        assert not idle._thread.is_alive()  # no process spawned (orphans reused): no watch

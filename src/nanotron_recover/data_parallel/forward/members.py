@@ -89,6 +89,14 @@ class Members:
             # frozen in a stage no detector watches). The supervisor ends and relaunches it.
             write_abandoned(self.s.run_dir, reason)
 
+    def give_up_join(self, reason: str) -> None:
+        """A process this member's re-join spawned died or froze inside the join (``JoinWatch``):
+        the members are held in a join stage that no revoke interrupts, so the job as a whole is
+        given up now, for its supervisor to relaunch from node memory, not at the join deadline."""
+        print(f"[nanotron-recover] rank {self.s.ftc.rank}: the re-join cannot complete: {reason}", flush=True)
+        if not self.s.joining and self.current_generation():
+            write_abandoned(self.s.run_dir, f"re-join: {reason}")
+
     def on_failure_notice(self, ranks: list[int], when: float) -> None:
         """Watch thread: a member of my replica failed while I was outside MPI: my replica is lost."""
         s = self.s

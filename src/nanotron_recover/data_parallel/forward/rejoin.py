@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ...errors import StopRun
 from ...failures import Kind, Phase
 from ...ft.faults import FaultInjector
-from ...ft.liveness import start_heartbeat
+from ...ft.liveness import JoinWatch, start_heartbeat
 from ...ft.replica_world import init_replica_world
 from ...ft.watch import current_watch
 from ...ft.world import AllReplicasFailed, JoinFailed, JoinPlan, RecoveryResult, WorldChanged
@@ -184,8 +184,17 @@ class Rejoin:
         s.phase = Phase.REJOIN
         if not s.ftc.parked:
             s.injector.maybe_fail(Phase.REJOIN, 0)
-        # No failure detector watches a spawned process before its join commits: a deadline does.
-        with s.watchdog.phase(REJOIN_PHASE, s.args.rejoin.join_timeout_s):
+        # No failure detector watches a spawned process before its join commits: its heartbeat
+        # file does (a process lost in the join gives the job up at once), and a deadline.
+        watch = JoinWatch(
+            s.run_dir,
+            expected=len(plan.new_ranks) if plan is not None else 0,
+            period_s=s.args.heartbeat_period_s,
+            timeout_s=s.args.heartbeat_timeout_s,
+            start_s=members_wait_s(s.args),
+            on_lost=self.members.give_up_join,
+        )
+        with s.watchdog.phase(REJOIN_PHASE, s.args.rejoin.join_timeout_s), watch:
             try:
                 pending = begin_join(s.ftc, plan, spawn_command(), self._spawn_info(), payload)
             except JoinFailed as failed:

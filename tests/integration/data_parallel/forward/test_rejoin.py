@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -324,6 +325,50 @@ def test_spawned_process_frozen_before_its_join_commits(tmp_path, tmp_path_facto
     assert got[-1]["replicas"] == 4
     assert_replicas_identical(tmp_path, [0, 1, 2, 3])
     assert not any(process_exists(pid) for pid in newcomers)
+
+
+@pytest.mark.mpi
+def test_spawned_process_killed_inside_its_join_costs_a_relaunch_not_the_join_deadline(
+    tmp_path, tmp_path_factory, local_dataset
+):
+    """The test SIGKILLs the process a re-join spawns as soon as it exists. The members wait for it
+    in a join stage that no revoke interrupts; before, they waited there for the join deadline
+    (300 s by default). Its heartbeat file is missing or silent (``JoinWatch``), so the job gives
+    itself up within a few heartbeat timeouts and the supervisor relaunches it from node memory:
+    the run completes at full width with the plain curve, long before the join deadline."""
+    steps = 9
+    corpus = local_dataset.corpus_dir
+    faults = [{"step": 2, "replica": 1, "phase": "forward"}]
+    sets = sets_for(tmp_path, corpus, steps) + layout(1, 1, 4, 2) + rejoin_sets(faults)
+    sets += [f"recover.snapshot.dir={tmp_path / 'node_memory'}"]
+    sets += ["recover.heartbeat_period_s=1", "recover.heartbeat_timeout_s=5"]
+    job = BackgroundJob(tmp_path, ["launch", *train_args(tmp_path, sets)[1:]])
+    launched = {job.pid(rank) for rank in range(4)}
+    newcomers: list[int] = []
+
+    def spawned() -> bool:
+        newcomers[:] = sorted(run_processes(tmp_path) - launched)
+        return bool(newcomers)
+
+    job.wait_until(spawned, "a spawned process", timeout=240)
+    for pid in newcomers:
+        os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    result = job.finish(timeout=400)
+    took = time.monotonic() - killed_at
+    assert result.returncode == 0, result.output[-4000:]
+    assert "the re-join cannot complete" in result.output, result.output[-4000:]
+    assert "the job gave itself up (re-join:" in result.output, result.output[-4000:]
+    # members_wait_s (30 s at this heartbeat) bounds a process that never beat, the rest is the
+    # relaunch and the remaining steps: far below the 300 s join deadline.
+    assert took < 200, took
+    got = read_metrics(tmp_path)
+    assert_same_curve(got, plain_curve(tmp_path_factory, corpus, steps))
+    (relaunch,) = [i for i in read_incidents(tmp_path) if i["kind"] == "job_lost"]
+    assert relaunch["state_from"] == "snapshot" and relaunch["generation"] == 1
+    assert got[-1]["replicas"] == 4
+    assert_replicas_identical(tmp_path, [0, 1, 2, 3])
+    print(f"killed the spawned process; the run completed {took:.1f} s later")
 
 
 @pytest.mark.mpi
