@@ -83,7 +83,7 @@ from .comm import FaultTolerantComm
 from .failstop import fail_stop
 from .membership import Membership, split_derived
 from .processes import ProcessInfo, this_process
-from .ulfm import MPI, free_comm, is_fault, revoke_comm
+from .ulfm import MPI, creation_failed, free_comm, is_fault, reset_cid_gate, revoke_comm
 from .watch import rebase_watch
 from .world import FTError, JoinFailed, JoinPlan, RecoveryResult
 
@@ -159,6 +159,9 @@ def begin_join(
             inter = glob.Spawn(cmd[0], cmd[1:], maxprocs=len(plan.new_ranks), info=mpi_info, root=root)
             inter.Set_errhandler(MPI.ERRORS_RETURN)
         except MPI.Exception as exc:
+            # Any error counts here (the stage agree decides); a spawn torn by a failure leaves
+            # Open MPI's context-id allocator closed (.ulfm.reset_cid_gate).
+            reset_cid_gate()
             error = exc
         finally:
             mpi_info.Free()
@@ -174,6 +177,7 @@ def begin_join(
             merged = inter.Merge(high=False)
             merged.Set_errhandler(MPI.ERRORS_RETURN)
         except MPI.Exception as exc:
+            reset_cid_gate()  # as after the spawn
             error = exc
         ftc.fault_point("join:merged")
         try:
@@ -318,12 +322,21 @@ def _build_join(ftc: FaultTolerantComm, merged: MPI.Comm, header: dict, logical:
         pending.logical = [int(r) for r in merged.allgather(logical)]
         infos = merged.allgather(this_process(logical))
         pending.processes = [infos[i] for i, r in enumerate(pending.logical) if r in plan.new_ranks]
-        pending.replica_comm, pending.dp_comm = split_derived(merged, ftc.coords, active)
-        pending.watch_comm = merged.Dup()
     except MPI.Exception as exc:
         if not is_fault(exc):
             raise
         pending.ok = False
+    if pending.ok:
+        try:
+            pending.replica_comm, pending.dp_comm = split_derived(merged, ftc.coords, active)
+            pending.watch_comm = merged.Dup()
+        except MPI.Exception as exc:
+            # Creations: ERR_OTHER (libnbc) is a fault too, and the context-id allocator is
+            # reopened (.ulfm.reset_cid_gate).
+            if not creation_failed(exc):
+                raise
+            pending.ok = False
+    if not pending.ok:
         for comm in (pending.dp_comm, pending.replica_comm, merged):
             revoke_comm(comm)  # wake members blocked in the join's collectives
     return pending

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from .failstop import fail_stop
 from .processes import ProcessInfo, reap, still_running
 from .topology import RankCoords
-from .ulfm import MPI, free_comm, is_fault, revoke_comm
+from .ulfm import MPI, creation_failed, free_comm, is_fault, revoke_comm
 from .world import RecoveryResult
 
 if TYPE_CHECKING:
@@ -135,7 +135,9 @@ def shrink_world(ftc: FaultTolerantComm, trigger: str, *, detect_s: float, entry
                 new_global.Set_errhandler(MPI.ERRORS_RETURN)
                 new_replica, new_dp = split_derived(new_global, ftc.coords, active)
         except MPI.Exception as exc:
-            if not is_fault(exc):
+            # A split torn by a failure or a revoke may raise ERR_OTHER (libnbc) and leaves Open MPI's
+            # context-id allocator closed to the next round's communicators (.ulfm.reset_cid_gate).
+            if not creation_failed(exc):
                 raise
             ok = 0
             revoke_comm(new_global)  # wake survivors blocked in the derived splits
@@ -217,7 +219,9 @@ def shrink(comm: MPI.Comm, rank: int) -> MPI.Comm:
         try:
             shrunk = comm.Shrink()
         except MPI.Exception as exc:
-            if not is_fault(exc):
+            # Shrink allocates its context id through the same gate as every creation (not
+            # through libnbc: its allreduces are agreements), so it is reopened here too.
+            if not creation_failed(exc, libnbc=False):
                 raise
             # Open MPI's shrink completes despite failures (it agrees on the failed set
             # internally), so this is a belt-and-braces path: acknowledge what is known

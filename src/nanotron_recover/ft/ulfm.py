@@ -35,10 +35,64 @@ FAULT_ERROR_CLASSES: frozenset[int] = frozenset(
     {MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED}
 )
 
+# Open MPI 5.0.x's libnbc (ompi/mca/coll/libnbc/nbc.c, NBC_Start_round) returns OMPI_ERROR, which
+# the caller sees as MPI_ERR_OTHER, when the progress it runs as a new round starts finds a request
+# torn by a process failure or a revoke; fixed upstream by open-mpi/ompi#14353 (on main since
+# August 2026, not in v5.0.x). Calls that run on libnbc can therefore fail with ERR_OTHER for a fault:
+# the non-blocking collectives, and every communicator creation but an intracommunicator's Shrink,
+# whose context-id allocation (ompi/communicator/comm_cid.c) is an MPI_Iallreduce on the parent
+# (Dup, Split, Create), an Ireduce/Ibcast in each group (Intercomm_merge) or around a PMIx exchange
+# (Spawn). Measured with 4 ranks, one revoking a communicator while the others loop over Dup or
+# Split from it: 5 of 160 and 13 of 320 of the errors were ERR_OTHER, the others ERR_REVOKED
+# (tests/integration/ft/test_creation_faults.py). Blocking collectives, point-to-point calls,
+# Agree and an intracommunicator's Shrink (coll/ftagree, coll/tuned, the PML) report the fault
+# classes. So ERR_OTHER counts as a fault only from libnbc calls (``is_fault(exc, libnbc=True)``):
+# a recovery without a failure costs one more round, while ERR_OTHER elsewhere stays an error.
+LIBNBC_FAULT_ERROR_CLASSES: frozenset[int] = FAULT_ERROR_CLASSES | {MPI.ERR_OTHER}
 
-def is_fault(exc: BaseException) -> bool:
-    """True if ``exc`` is an MPI error caused by a process failure or a revoke."""
-    return isinstance(exc, MPI.Exception) and exc.Get_error_class() in FAULT_ERROR_CLASSES
+
+def is_fault(exc: BaseException, *, libnbc: bool = False) -> bool:
+    """True if ``exc`` is an MPI error caused by a process failure or a revoke.
+
+    ``libnbc``: ``exc`` comes from a call that runs on Open MPI's libnbc (a communicator creation
+    other than ``Shrink``, or a non-blocking collective), where ``MPI_ERR_OTHER`` is a fault too
+    (see ``LIBNBC_FAULT_ERROR_CLASSES``)."""
+    classes = LIBNBC_FAULT_ERROR_CLASSES if libnbc else FAULT_ERROR_CLASSES
+    return isinstance(exc, MPI.Exception) and exc.Get_error_class() in classes
+
+
+def reset_cid_gate() -> None:
+    """Reopen Open MPI's context-id allocator after a communicator creation failed.
+
+    Open MPI 5.0.11 lets one communicator creation at a time allocate a context id: the one whose
+    parent has the lowest id, kept in the process-wide ``ompi_comm_cid_lowest_id``
+    (ompi/communicator/comm_cid.c; a creation from a parent with a higher id waits, rescheduling
+    itself). A creation that fails in the middle of the allocation, in the error branches of
+    ``ompi_comm_checkcid`` and ``ompi_comm_nextcid_check_flag`` (the allreduce of a round failed,
+    e.g. on a process failure or a revoke), returns without setting it back to ``INT64_MAX``
+    (v5.0.x, and main as of 2026-08; the branch of ``ompi_comm_allreduce_getnextcid`` does reset
+    it). From then on every creation from a parent with a higher context id (Split, Dup, Create,
+    Intercomm_merge, Spawn, Shrink) spins in ``ompi_comm_nextcid`` forever, and no revoke ends
+    it: tests/integration/ft/test_creation_faults.py hangs in ``Shrink`` without this call.
+
+    A creation that completes sets the gate back, and one from ``MPI_COMM_SELF`` (context id 1,
+    below every communicator a job creates) always passes it: a local ``Dup`` and ``Free`` of
+    ``MPI_COMM_SELF`` reopens the allocator (tens of microseconds). Call it in the handler of every
+    failed communicator creation (:func:`creation_failed`), before any other creation. It cannot
+    help after a creation from ``MPI_COMM_WORLD`` (context id 0) failed: then it would wait too.
+    """
+    try:
+        MPI.COMM_SELF.Dup().Free()
+    except MPI.Exception:
+        pass  # MPI_COMM_SELF has no peer that can fail; nothing more to do if it refused
+
+
+def creation_failed(exc: BaseException, *, libnbc: bool = True) -> bool:
+    """The handler of a communicator creation that raised ``exc``: reopens the context-id allocator
+    (:func:`reset_cid_gate`) and tells whether ``exc`` is a fault (:func:`is_fault`; ``libnbc``
+    False for an intracommunicator's ``Shrink``, which does not run on libnbc)."""
+    reset_cid_gate()
+    return is_fault(exc, libnbc=libnbc)
 
 
 def revoke_comm(comm: MPI.Comm | None) -> None:
@@ -61,4 +115,13 @@ def free_comm(comm: MPI.Comm | None) -> None:
         pass  # a communicator with dead members may refuse; leaking one handle is harmless
 
 
-__all__ = ["FAULT_ERROR_CLASSES", "MPI", "free_comm", "is_fault", "revoke_comm"]
+__all__ = [
+    "FAULT_ERROR_CLASSES",
+    "LIBNBC_FAULT_ERROR_CLASSES",
+    "MPI",
+    "creation_failed",
+    "free_comm",
+    "is_fault",
+    "reset_cid_gate",
+    "revoke_comm",
+]
