@@ -1,0 +1,145 @@
+"""Communicator creations torn by a failure or a revoke, on Open MPI 5.0.11, and their workarounds.
+
+Two defects of Open MPI on the fault-tolerant communicator's path, each reproduced here with plain
+mpi4py and handled by :func:`nanotron_recover.ft.ulfm.creation_failed`, which every failed creation
+in ``ft/`` (``membership.py``, ``join.py``) goes through:
+
+- the context-id gate (``ulfm.reset_cid_gate``): a ``Dup`` torn by a SIGKILLed member leaves
+  ``ompi_comm_cid_lowest_id`` set (ompi/communicator/comm_cid.c), and every later creation from a
+  communicator with a higher context id spins forever; ``tests/helpers/mpi_workers/cid_gate_worker.py``;
+- ``MPI_ERR_OTHER`` from libnbc (``ulfm.LIBNBC_FAULT_ERROR_CLASSES``, open-mpi/ompi#14353): a
+  ``Dup`` or ``Split`` torn by a revoke sometimes raises ``ERR_OTHER`` instead of
+  ``ERR_REVOKED``; ``tests/helpers/mpi_workers/creation_race_worker.py``.
+
+A hang fails a test through its job's timeout (the job is then killed as a whole).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.mpirun_utils import kill_tree, rank_results
+
+WORKERS = Path(__file__).resolve().parents[3] / "tests" / "helpers" / "mpi_workers"
+MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+RUN_TIMEOUT_S = 60.0
+# How long survivors must stay stuck after their torn Dup for the gate to count as closed; a Shrink
+# and a Dup of 3 ranks take milliseconds (seconds at worst on 2 busy cores).
+HANG_S = 8.0
+# MPI_ERR_PROC_FAILED, MPI_ERR_PROC_FAILED_PENDING, MPI_ERR_REVOKED (Open MPI 5.0's values), MPI_ERR_OTHER
+FAULTS, ERR_OTHER = {75, 76, 77}, 16
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(MPIRUN is None, reason="mpirun (Open MPI with ULFM) not available"),
+]
+
+
+def _start(out: Path, n: int, worker: str, *args: str) -> subprocess.Popen[str]:
+    out.mkdir()
+    cmd = [
+        MPIRUN,
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--with-ft",
+        "ulfm",
+        "--mca",
+        "coll",
+        "^han,cuda",
+    ]
+    cmd += ["-n", str(n), sys.executable, str(WORKERS / worker), "--out", str(out), *args]
+    env = {
+        **os.environ,
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    # Own session, so a hung job is killed as a whole (mpirun, prted, ranks) and nothing else.
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True
+    )
+
+
+def _finish(
+    proc: subprocess.Popen[str], out: Path, timeout: float = RUN_TIMEOUT_S
+) -> dict[int, dict[str, Any]]:
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        log, _ = proc.communicate()
+        stages = {f.name: json.loads(f.read_text()).get("stage") for f in sorted(out.glob("stage*.json"))}
+        pytest.fail(f"mpirun timed out after {timeout}s; stages {stages}\n{log[-4000:]}")
+    return rank_results(out, proc.returncode, log)
+
+
+def _stages(out: Path) -> dict[int, str]:
+    stages = {}
+    for f in out.glob("stage*.json"):
+        d = json.loads(f.read_text())
+        stages[d["rank"]] = d["stage"]
+    return stages
+
+
+def test_torn_dup_then_creations_from_higher_ids_complete(tmp_path: Path) -> None:
+    """4 ranks; the last is SIGKILLed while the others are in ``low.Dup()``. Handled by
+    ``creation_failed`` (a fault, the gate reset), the survivors then shrink ``high`` (a higher
+    context id than ``low``) and duplicate the result: without the reset both would spin forever."""
+    res = _finish(_start(tmp_path / "out", 4, "cid_gate_worker.py", "--reset"), tmp_path / "out")
+    assert res[3].get("killed")
+    for r in (0, 1, 2):
+        d = res[r]
+        assert d.get("done"), d
+        assert d["error_class"] in FAULTS | {ERR_OTHER}, d
+        assert d["fault"] is True, d
+        assert (d["size"], d["total"]) == (3, 0 + 1 + 2), d
+
+
+def test_torn_dup_closes_the_gate_without_the_reset(tmp_path: Path) -> None:
+    """The same without the reset: the survivors' ``Dup`` fails, and then their ``Shrink`` of
+    ``high`` never returns. Shows the defect is still there in the Open MPI the tests run on; if
+    this test fails, Open MPI reopens the gate itself and ``ulfm.reset_cid_gate`` can go."""
+    out = tmp_path / "out"
+    proc = _start(out, 4, "cid_gate_worker.py")
+    survivors = (0, 1, 2)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not all(_stages(out).get(r) for r in survivors):
+            assert proc.poll() is None, f"job ended early: {proc.communicate()[0][-3000:]}"
+            assert time.monotonic() < deadline, f"no torn Dup in {RUN_TIMEOUT_S}s: {_stages(out)}"
+            time.sleep(0.1)
+        time.sleep(HANG_S)
+        stages = _stages(out)
+    finally:
+        kill_tree(proc.pid)
+        proc.communicate()
+    assert stages == {0: "failed", 1: "failed", 2: "failed"}, stages
+
+
+def test_creations_torn_by_a_revoke_count_as_faults(tmp_path: Path) -> None:
+    """4 ranks, 60 trials: one rank revokes a communicator while every rank loops over ``Dup`` and
+    ``Split`` from it. Each error goes through ``creation_failed``, which must call it a fault: a
+    rank that re-raised would be missing here. Open MPI 5.0.11 raises ``ERR_OTHER`` for some of
+    them (libnbc, open-mpi/ompi#14353); the plain classification of blocking calls (``is_fault``)
+    refuses it, and the rank would die with a traceback, its replica lost without a failure."""
+    res = _finish(_start(tmp_path / "out", 4, "creation_race_worker.py", "--trials", "60"), tmp_path / "out")
+    assert sorted(res) == [0, 1, 2, 3] and all(d.get("done") for d in res.values()), res
+    errors = [e for d in res.values() for e in d["errors"]]
+    assert len(errors) == 4 * 60
+    assert {e["error_class"] for e in errors} <= FAULTS | {ERR_OTHER}
+    others = [e for e in errors if e["error_class"] == ERR_OTHER]
+    # About 3-4% of the errors: not seeing one in 240 means the race was not reproduced (then this
+    # run proves nothing), or Open MPI no longer has the defect (then LIBNBC_FAULT_ERROR_CLASSES
+    # can go back to the fault classes).
+    assert others, f"no ERR_OTHER in {len(errors)} torn creations"
+    assert not any(e["blocking_is_fault"] for e in others)
+    assert {e["op"] for e in errors} == {"dup", "split"}
