@@ -75,7 +75,8 @@ def node_memory_left(cluster: EmulatedCluster, nodes: list[str]) -> dict[str, st
     """What is left in each node's snapshot folder (the run removes its snapshots at the end)."""
     found = {}
     for node in nodes:
-        out = cluster.run_on(node, ["sh", "-c", "ls -A /dev/shm/nanotron-recover 2>/dev/null"]).stdout
+        # The per-user folder (recover.snapshot.dir's default) stays; the run's folder in it must not.
+        out = cluster.run_on(node, ["sh", "-c", "ls -A /dev/shm/nanotron-recover-*/ 2>/dev/null"]).stdout
         if out.strip():
             found[node] = out.strip()
     return found
