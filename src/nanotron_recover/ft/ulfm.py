@@ -6,7 +6,10 @@ re-join protocol); all of them import MPI from here, so MPI is initialized with 
 whichever of them is imported first.
 
 Importing this module defaults ``OMPI_MCA_async_mpi_finalize=1`` (see below): without it the
-survivors' ``MPI_Finalize`` can hang on a dead rank at exit.
+survivors' ``MPI_Finalize`` can hang on a dead rank at exit; and ``OMPI_MCA_mpi_add_procs_cutoff``
+to the largest value, so every endpoint exists before a failure (a revoke forwarded to a dead rank
+never reached before hung in a ``PMIx_Get``). Both apply only if this module is imported before
+``mpi4py.MPI``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,19 @@ import os
 # exchange here ends in a completed collective. Must be set before MPI is initialized
 # (i.e. before mpi4py.MPI is first imported); setdefault keeps a launcher's choice.
 os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
+
+# Create the endpoints of every process of the launch in MPI_Init, while all of them are alive,
+# instead of at the first message to each (Open MPI 5's default: mpi_add_procs_cutoff 0). ULFM
+# forwards a revoke to peers this rank may never have talked to (ompi_comm_rbcast_send_msg in
+# ompi/communicator/ft/comm_ft_reliable_bcast.c); the first message to a peer creates its
+# endpoint (mca_bml_base_get_endpoint -> bml_add_proc -> mca_btl_tcp_proc_create), which reads the
+# peer's address with a blocking PMIx_Get from inside the progress engine. Seen on the emulated
+# cluster (3 ranks on 3 nodes, one SIGKILLed, the others revoke and shrink): the survivor
+# forwarding the revoke to the dead rank waited in that PMIx_Get forever (gdb), inside the
+# Allreduce it had not left, so it never saw the failure, and the other waited for it in Shrink;
+# 3 of 12 runs hung, 0 of 15 with every endpoint made at start-up. The cost is one endpoint per
+# process of the launch, made in MPI_Init (TCP connections still open at first use).
+os.environ.setdefault("OMPI_MCA_mpi_add_procs_cutoff", "4294967295")
 
 import mpi4py  # noqa: E402
 
