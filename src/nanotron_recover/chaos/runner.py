@@ -54,6 +54,20 @@ from .watch import RunWatch
 DEADLINE_FLOOR_S = 60.0
 
 
+# How each victim of a kind is struck, in order (the target may spare a process for one way and not
+# another); a kind not named strikes with SIGKILL.
+STRIKES: dict[str, tuple[str, ...]] = {
+    "freeze": ("stop",),
+    "kill_during_recovery": ("stop", "kill"),
+    "node_power_off": ("node",),
+    "link_cut": ("node",),
+    "node_freeze": ("node",),
+}
+# What the report names a node fault's "signal" by: what the processes of the node get (a cut link
+# sends them nothing; SIGHUP, the signal of a line that hung up, stands for it).
+NODE_SIGNALS = {"node_power_off": signal.SIGKILL, "node_freeze": signal.SIGSTOP, "link_cut": signal.SIGHUP}
+
+
 class JobExited(Exception):
     """The job's launch process exited."""
 
@@ -83,6 +97,11 @@ class CampaignOptions:
     start_allowance_s: float = 120.0
     ready_timeout_s: float = 90.0
     poll_s: float = 0.01
+    # How the job is started: ``launch`` on this host by default; a cluster target's campaign gives
+    # its own command (``sbatch --wait`` of the script ``nanotron-recover slurm`` renders) and the
+    # environment it needs. The command's exit status is the job's.
+    launch_cmd: list[str] | None = None
+    launch_env: dict[str, str] | None = None
     log: Callable[[str], None] = field(
         default=lambda line: print(f"chaos: {line}", file=sys.stderr, flush=True)
     )
@@ -129,8 +148,8 @@ class Campaign:
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> CampaignRun:
         o = self.o
-        cmd = launch_command(o.config, o.run_dir, o.sets)
-        env = dict(os.environ)
+        cmd = list(o.launch_cmd) if o.launch_cmd else launch_command(o.config, o.run_dir, o.sets)
+        env = dict(os.environ if o.launch_env is None else o.launch_env)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")
         o.run_dir.mkdir(parents=True, exist_ok=True)
@@ -224,6 +243,7 @@ class Campaign:
     def _tick(self) -> None:
         w = self.watch
         w.poll()
+        self.target.tick()
         if self.proc.poll() is not None:
             raise JobExited()
         now = time.time()
@@ -337,7 +357,11 @@ class Campaign:
         record["sent_at"] = sent[0]["at"]
         o.log(
             f"fault {fault.index} {fault.kind}: "
-            + ", ".join(f"{signal.Signals(s['sig']).name} rank {s['rank']} pid {s['pid']}" for s in sent)
+            + ", ".join(
+                f"{s.get('node_action') or signal.Signals(s['sig']).name} rank {s['rank']} pid {s['pid']}"
+                + (f" on {s['node']}" if s.get("node") else "")
+                for s in sent
+            )
             + f" during step {record['step']}"
         )
         self._reaction(record)
@@ -354,8 +378,12 @@ class Campaign:
         self.kill_all_pending = False
 
     # -- looking up and signalling victims ----------------------------------------------------------
-    def _resolve(self, victim: Victim, exclude: set[int], notes: list[str]) -> RankProcess | None:
-        """The process at ``victim``'s place now, or at the same local rank of the next alive replica."""
+    def _resolve(
+        self, victim: Victim, exclude: set[int], notes: list[str], how: str = "kill"
+    ) -> RankProcess | None:
+        """The process at ``victim``'s place now, or at the same local rank of the next alive replica
+        (also the next one when the target may not strike it ``how``: a cluster target spares the
+        node that runs ``mpirun``)."""
         table = self.target.ranks()
         for i in range(self.dp):
             replica = (victim.replica + i) % self.dp
@@ -363,8 +391,11 @@ class Campaign:
                 continue
             proc = table.get(replica * self.size + victim.local_rank)
             if proc is not None and self.target.alive(proc) and not process_stopped(proc.pid):
+                if not self.target.can_strike(proc, how):
+                    notes.append(f"replica {replica} on {proc.host}: the target spares it ({how})")
+                    continue
                 if i:
-                    notes.append(f"replica {victim.replica} was down: struck replica {replica}")
+                    notes.append(f"replica {victim.replica} was down or spared: struck replica {replica}")
                 return proc
         notes.append(f"no alive replica to strike for {victim}")
         return None
@@ -380,6 +411,7 @@ class Campaign:
                 "rank": proc.rank,
                 "replica": proc.replica,
                 "pid": proc.pid,
+                "host": proc.host,
                 "at": at,
                 "sent": ok,
                 "step": self.watch.last_step + 1,
@@ -395,14 +427,43 @@ class Campaign:
     def _victims(self, fault: PlannedFault, record: dict[str, Any]) -> list[RankProcess | None]:
         procs: list[RankProcess | None] = []
         exclude: set[int] = set()
-        for victim in fault.victims:
-            proc = self._resolve(victim, exclude, record["notes"])
+        hows = STRIKES.get(fault.kind, ())
+        for n, victim in enumerate(fault.victims):
+            proc = self._resolve(victim, exclude, record["notes"], hows[n] if n < len(hows) else "kill")
             procs.append(proc)
             if proc is not None and proc.replica is not None:
                 exclude.add(proc.replica)
         return procs
 
     # -- the kinds -------------------------------------------------------------------------------------
+    def _send_node(self, fault: PlannedFault, record: dict[str, Any]) -> None:
+        """A node kind: the node of the drawn rank, struck by the target (which restores it later)."""
+        (proc,) = self._victims(fault, record)
+        if proc is None:
+            return
+        at = time.time()  # power off waits until the node's processes are gone: the fault began here
+        found = self.target.node_fault(fault.kind, proc)
+        record["signals"].append(
+            {
+                "sig": int(NODE_SIGNALS[fault.kind]),
+                "rank": proc.rank,
+                "replica": proc.replica,
+                "pid": proc.pid,
+                "at": at,
+                "sent": found is not None,
+                "step": self.watch.last_step + 1,
+                "node": proc.host,
+                "node_action": fault.kind,
+                "node_pids": found or [],
+            }
+        )
+        if found is not None:
+            self.last_signal_at = at
+
+    _send_node_power_off = _send_node
+    _send_link_cut = _send_node
+    _send_node_freeze = _send_node
+
     def _send_kill(self, fault: PlannedFault, record: dict[str, Any]) -> None:
         (proc,) = self._victims(fault, record)
         self._signal(record, proc, signal.SIGKILL)
@@ -502,7 +563,8 @@ class Campaign:
         if proc.rank is None or proc.replica is None:
             return False
         where = hashlib.sha256(str(self.o.run_dir.resolve()).encode()).hexdigest()[:8]
-        root = Path(self.cfg.recover.snapshot.dir)
+        # Seen from the rank's own mount namespace: an emulated node's /dev/shm is its own.
+        root = Path(f"/proc/{proc.pid}/root") / Path(self.cfg.recover.snapshot.dir).relative_to("/")
         mine = f"c{proc.rank % self.size}/r{proc.replica}"
         for run_root in root.glob(f"*-{where}"):
             for slot in (run_root / mine).glob("slot*"):
@@ -523,8 +585,8 @@ def needs_of(kinds: list[str] | tuple[str, ...], cfg: Config, target: Target | N
         info = KINDS[name]
         if info.node_level and (target is None or not target.supports(name)):
             problems.append(
-                f"fault kind {name} needs a multi-node cluster target (emulated or Slurm), which is not "
-                "implemented: this runner sends faults to the processes of one host only"
+                f"fault kind {name} needs a multi-node cluster target (the emulated cluster's: "
+                "tests/helpers/chaos_cluster.py): this command sends faults to the processes of one host only"
             )
         if info.needs_rejoin and rec.rejoin.mode != "spawn":
             problems.append(f"fault kind {name} needs re-join: --set recover.rejoin.mode=spawn")

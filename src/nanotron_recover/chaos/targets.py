@@ -13,9 +13,14 @@ command line runs ``nanotron_recover.cli train`` on this run directory (a recycl
 process of another job, is never touched). :meth:`LocalTarget.end_job` ends the job the same way,
 only the launch process's group and its descendants.
 
-A cluster target (the emulated Slurm cluster of ``tests/helpers/emulated_cluster.py``, or a real
-allocation) would implement the same interface and also the node-level kinds (power, link, freeze
-of a node, :data:`.kinds.NODE_KINDS`); it is not implemented, and :meth:`Target.supports` says so.
+A cluster target implements the same interface for ranks on many nodes, and also the node-level
+kinds (power, link, freeze of a node, :data:`.kinds.NODE_KINDS`) through :meth:`Target.node_fault`;
+it may spare some processes (:meth:`Target.can_strike`: the node running ``mpirun`` and the job
+script, a single point of failure) and restore struck nodes later (:meth:`Target.tick`, called by
+the runner while it waits). The one for the emulated Slurm cluster is test infrastructure, next to
+the emulation: ``tests/helpers/chaos_cluster.py``; the runner takes it through its
+``target_factory`` and starts the job with the command the campaign options give
+(``CampaignOptions.launch_cmd``).
 """
 
 from __future__ import annotations
@@ -66,6 +71,21 @@ class Target(ABC):
     def supports(self, kind: str) -> bool:
         """Whether this target can send ``kind``: local targets send every kind but the node-level ones."""
         return not KINDS[kind].node_level
+
+    def can_strike(self, proc: RankProcess, how: str) -> bool:
+        """Whether the runner may strike ``proc`` this way (``kill``, ``stop``, or ``node``: a fault
+        of its whole node); when not, it strikes the next replica instead. Every way, by default."""
+        return True
+
+    def node_fault(self, kind: str, proc: RankProcess) -> list[int] | None:
+        """Send node kind ``kind`` to the node of ``proc``; the pids of the node it struck, or None
+        when it could not. Only targets whose :meth:`supports` says so implement it."""
+        raise NotImplementedError(f"{self.name} target cannot send {kind}")
+
+    def tick(self) -> None:
+        """Called by the runner whenever it polls the job: a target with delayed work (a node to
+        power on again) does it here. Nothing by default."""
+        return None
 
     @abstractmethod
     def end_job(self) -> list[int]:
