@@ -58,9 +58,10 @@ def start_mpi(period_s: float, timeout_s: float) -> None:
     heartbeats) now, before the job builds its model, data and worlds: a rank that spends seconds
     without MPI progress would be declared failed by its observer."""
     configure_heartbeat(period_s, timeout_s)
-    from mpi4py import MPI
-
-    from . import comm  # noqa: F401  (imports mpi4py.MPI with the project's settings)
+    # ulfm first: its MCA defaults (finalize, connections set up at start) and mpi4py's settings
+    # take effect only if they are in place before MPI starts.
+    from . import comm  # noqa: F401
+    from .ulfm import MPI
     from .watch import ensure_watch
 
     ensure_watch(MPI.COMM_WORLD)
