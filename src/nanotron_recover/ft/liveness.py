@@ -1,15 +1,26 @@
-"""Heartbeats for spawned processes, which ULFM's detector does not watch.
+"""Heartbeat files for the processes that ULFM's detector does not watch.
 
-ULFM's heartbeat detector observes the ranks of the launch's ``MPI_COMM_WORLD``, arranged in a ring.
-A process spawned by a re-join has a world of its own, so nobody observes it. If it freezes (SIGSTOP,
-a node that stops answering), the others wait for it forever. A spawned process that crashes is
-still reported by the runtime like any other.
+ULFM's heartbeat detector (Open MPI 5.0, ``ompi/communicator/ft/comm_ft_detector.c``) runs on each
+process's own ``MPI_COMM_WORLD`` only, its ranks arranged in a ring where each observes the next
+alive one. Two kinds of process are outside every ring, and if one freezes (SIGSTOP, a node that
+stops answering) the others wait for it forever; a crashed one is still reported by the runtime
+like any other:
+
+- a process spawned by a re-join: it has a world of its own (measured: a SIGSTOPped spawned process
+  was not reported to its parents within 40 s);
+- a launch rank whose launch world has no other live process, the others having died and their
+  places taken by spawned processes: the detector's ring walk then finds only itself, and Open MPI
+  turns the detector off on that rank ("every other node is dead": no observer, no observed). Found
+  by a fault campaign: dp=4, the launch ranks 0, then 1 and 2 killed and re-joined, then rank 3
+  frozen: nothing committed until the supervisor's commit deadline relaunched the job.
 
 The protocol has two sides:
 
-- every spawned process runs a daemon thread that touches ``<run_dir>/heartbeats/<host>.<pid>`` every
-  heartbeat period. A frozen process stops it, the same way it stops the failure watch that carries
-  ULFM's heartbeats;
+- each such process runs a daemon thread that touches its heartbeat file every heartbeat period:
+  a spawned process ``<run_dir>/heartbeats/<host>.<pid>`` from its start (:func:`start_heartbeat`),
+  a launch rank ``<host>.<pid>.launch`` from the moment its world has no other live process
+  (:func:`beat_once_alone`). A frozen process stops it, the same way it stops the failure watch
+  that carries ULFM's heartbeats;
 - every rank runs a monitor thread that, every period, looks at the files of the current grid's
   processes that run on *its own host*. A file older than the heartbeat timeout, whose process
   still runs, belongs to a frozen process.
@@ -19,9 +30,9 @@ the time of its last heartbeat), then SIGKILLs the process. The runtime reports 
 rank as it reports a crash, and forward recovery and re-join take over. Several monitors on one host
 may act on the same process; a second SIGKILL and an identical record change nothing.
 
-Limit: a frozen spawned process on a host where no other process of the job runs is seen by nobody
-who can kill it. ``run_dir`` must be on a file system that the spawned process and the ranks on its
-host share, as it must be for checkpoints.
+Limit: a frozen process on a host where no other process of the job runs is seen by nobody who can
+kill it. ``run_dir`` must be on a file system that the watched process and the ranks on its host
+share, as it must be for checkpoints.
 """
 
 from __future__ import annotations
@@ -36,14 +47,18 @@ from pathlib import Path
 
 from .processes import ProcessInfo, still_running
 
-
-def heartbeat_file(run_dir: str | Path, host: str, pid: int) -> Path:
-    return Path(run_dir) / "heartbeats" / f"{host}.{pid}"
+LAUNCH_SUFFIX = ".launch"
 
 
-def start_heartbeat(run_dir: str | Path, period_s: float) -> threading.Thread:
+def heartbeat_file(run_dir: str | Path, host: str, pid: int, launched: bool = False) -> Path:
+    """A spawned process's heartbeat file, or (``launched``) a launch rank's: a name of its own, so
+    that readers counting spawned processes (the join watch, ``watch``) do not count it."""
+    return Path(run_dir) / "heartbeats" / f"{host}.{pid}{LAUNCH_SUFFIX if launched else ''}"
+
+
+def start_heartbeat(run_dir: str | Path, period_s: float, launched: bool = False) -> threading.Thread:
     """Touch this process's heartbeat file every ``period_s`` from a daemon thread, starting now."""
-    path = heartbeat_file(run_dir, socket.gethostname(), os.getpid())
+    path = heartbeat_file(run_dir, socket.gethostname(), os.getpid(), launched)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch()  # exists before this returns: a monitor may look at once
 
@@ -60,12 +75,55 @@ def start_heartbeat(run_dir: str | Path, period_s: float) -> threading.Thread:
     return thread
 
 
-class SpawnedMonitor:
-    """Finds the frozen spawned processes of this host and hands each one to ``on_frozen`` once.
+def alone_in_world() -> bool:
+    """Whether every other process of this process's ``MPI_COMM_WORLD`` is known to have failed:
+    then ULFM's detector watches this process no more (see the module docstring)."""
+    from mpi4py import MPI
 
-    ``processes()`` gives the grid's current processes. Only those with a heartbeat file, which
-    means spawned ones, and only those on this host are looked at. ``on_frozen(info, last_beat, age)``
-    is called from the monitor's thread.
+    world = MPI.COMM_WORLD
+    failed = world.Get_failed()
+    try:
+        return failed.Get_size() >= world.Get_size() - 1
+    finally:
+        failed.Free()
+
+
+def beat_once_alone(
+    run_dir: str | Path, period_s: float, alone: Callable[[], bool] = alone_in_world
+) -> threading.Thread:
+    """A launch rank's daemon thread: every ``period_s`` it asks ``alone()``; the first time it is
+    true it starts this process's heartbeat (:func:`start_heartbeat`, ``launched``) and ends. The
+    monitors then watch this rank like a spawned process. A file left under this pid by an earlier
+    process (a recycled pid, in a run directory a relaunch reuses) is removed first: it would make a
+    monitor take this rank for a frozen one."""
+    for launched in (False, True):
+        try:
+            heartbeat_file(run_dir, socket.gethostname(), os.getpid(), launched).unlink()
+        except OSError:
+            pass
+
+    def wait() -> None:
+        while True:
+            try:
+                if alone():
+                    start_heartbeat(run_dir, period_s, launched=True)
+                    return
+            except Exception as error:  # the watch must outlive a bad look
+                print(f"[nanotron-recover] launch-rank heartbeat: {error}", file=sys.stderr, flush=True)
+            time.sleep(period_s)
+
+    thread = threading.Thread(target=wait, name="launch-heartbeat", daemon=True)
+    thread.start()
+    return thread
+
+
+class SpawnedMonitor:
+    """Finds the frozen processes of this host that ULFM does not watch and hands each one to
+    ``on_frozen`` once.
+
+    ``processes()`` gives the grid's current processes. Only those with a heartbeat file (a spawned
+    process, a launch rank left alone in its world), and only those on this host are looked at.
+    ``on_frozen(info, last_beat, age)`` is called from the monitor's thread.
     """
 
     def __init__(
@@ -96,16 +154,23 @@ class SpawnedMonitor:
         for info in list(self._processes()):
             if info.host != self._host or info.pid in self._handled or info.pid == os.getpid():
                 continue
-            try:
-                last = heartbeat_file(self.run_dir, info.host, info.pid).stat().st_mtime
-            except OSError:
-                continue  # a process of the launch (ULFM watches it), or not started yet
+            last = self._last_beat(info)
+            if last is None:
+                continue  # a launch rank ULFM watches, or not started yet
             age = (time.time() if now is None else now) - last
             if age > self.timeout_s and still_running(info):
                 self._handled.add(info.pid)
                 found.append(info)
                 self._on_frozen(info, last, age)
         return found
+
+    def _last_beat(self, info: ProcessInfo) -> float | None:
+        for launched in (False, True):
+            try:
+                return heartbeat_file(self.run_dir, info.host, info.pid, launched).stat().st_mtime
+            except OSError:
+                continue
+        return None
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
@@ -147,8 +212,9 @@ class JoinWatch:
         self._thread = threading.Thread(target=self._run, name="join-watch", daemon=True)
 
     def _names(self) -> set[str]:
+        """The spawned processes' heartbeat files (a launch rank's may appear during a join too)."""
         try:
-            return {p.name for p in self.dir.iterdir()}
+            return {p.name for p in self.dir.iterdir() if not p.name.endswith(LAUNCH_SUFFIX)}
         except OSError:
             return set()
 

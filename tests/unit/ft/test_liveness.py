@@ -1,4 +1,5 @@
-"""Heartbeats of spawned processes: real child processes, really frozen with SIGSTOP."""
+"""Heartbeats of the processes ULFM does not watch (spawned ones, a launch rank left alone in its
+world): real child processes, really frozen with SIGSTOP."""
 
 from __future__ import annotations
 
@@ -7,23 +8,32 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from nanotron_recover.ft.liveness import JoinWatch, SpawnedMonitor, heartbeat_file, start_heartbeat
+from nanotron_recover.ft.liveness import (
+    LAUNCH_SUFFIX,
+    JoinWatch,
+    SpawnedMonitor,
+    beat_once_alone,
+    heartbeat_file,
+    start_heartbeat,
+)
 from nanotron_recover.ft.processes import ProcessInfo, reap
 
 HOST = socket.gethostname()
 
 
-def beating_child(run_dir: Path, period_s: float) -> subprocess.Popen:
-    """A process that beats like a spawned rank, then idles; started with a hard timeout."""
+def beating_child(run_dir: Path, period_s: float, launched: bool = False) -> subprocess.Popen:
+    """A process that beats like a spawned rank (``launched``: like a launch rank left alone in its
+    world), then idles; started with a hard timeout."""
     code = (
         "import sys, time\n"
         "from nanotron_recover.ft.liveness import start_heartbeat\n"
-        f"start_heartbeat({str(run_dir)!r}, {period_s})\n"
+        f"start_heartbeat({str(run_dir)!r}, {period_s}, launched={launched})\n"
         "print('beating', flush=True)\n"
         "time.sleep(60)\n"
     )
@@ -71,6 +81,44 @@ def test_a_frozen_child_is_found_once_and_removed(tmp_path, child):
     assert pid == child.pid and age > 0.5, "not before the timeout"
 
 
+def test_a_launch_rank_beats_only_once_alone_in_its_world(tmp_path):
+    alone = threading.Event()
+    path = heartbeat_file(tmp_path, HOST, os.getpid(), launched=True)
+    beat(tmp_path, path.name, 0.0)  # an earlier process's, under a recycled pid
+    beat_once_alone(tmp_path, 0.05, alone.is_set)
+    time.sleep(0.3)
+    assert not path.exists(), "ULFM's detector watches a launch rank with a live peer in its world"
+    alone.set()
+    deadline = time.time() + 10
+    while not path.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    first = path.stat().st_mtime
+    time.sleep(0.3)
+    assert path.stat().st_mtime > first, "touched every period from then on"
+    assert not heartbeat_file(tmp_path, HOST, os.getpid()).exists(), "not named like a spawned process"
+
+
+def test_a_frozen_launch_rank_left_alone_is_found_and_removed(tmp_path):
+    child = beating_child(tmp_path, 0.05, launched=True)
+    try:
+        found: list[int] = []
+
+        def on_frozen(frozen: ProcessInfo, last_beat: float, age: float) -> None:
+            found.append(frozen.pid)
+            reap(frozen)
+
+        monitor = SpawnedMonitor(tmp_path, 0.05, 0.5, lambda: [info_of(child)], on_frozen)
+        assert monitor.check() == []
+        os.kill(child.pid, signal.SIGSTOP)
+        monitor.start()
+        child.wait(timeout=10)
+        monitor.stop()
+        assert child.returncode == -signal.SIGKILL and found == [child.pid]
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+
+
 def test_what_the_monitor_leaves_alone(tmp_path, child):
     calls = []
     beating = info_of(child, rank=1)
@@ -115,6 +163,14 @@ def test_join_watch_finds_a_spawned_process_gone_silent_but_not_the_older_ones(t
     beat(tmp_path, "host.201", now + 4.0)  # still beating; 202 is not
     reason = watch.check(now + 5.5)
     assert reason is not None and "host.202 sent no heartbeat for 5.5 s" in reason
+
+
+def test_join_watch_does_not_count_a_launch_rank_that_began_to_beat(tmp_path):
+    watch = join_watch(tmp_path, expected=1, lost=[])
+    beat(tmp_path, f"host.100{LAUNCH_SUFFIX}", watch.began + 1.0)  # its last launch peer died
+    assert (
+        watch.check(watch.began + 31.0) == "0 of the 1 spawned processes started within 31 s of the re-join"
+    )
 
 
 def test_join_watch_finds_a_spawned_process_that_never_started(tmp_path):

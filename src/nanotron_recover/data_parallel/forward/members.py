@@ -11,9 +11,10 @@
 - **Fences.** A process removed while frozen may wake up later: the logging rank marks it
   (``<run_dir>/fence/<host>-<pid>``) and :meth:`Members.check_member` keeps it from writing
   shared files.
-- **Spawned processes' liveness.** ULFM's heartbeat does not watch processes spawned by a re-join;
-  each rank watches the heartbeat files of those on its host (``ft/liveness.py``), and for a frozen
-  one writes the record it cannot write and SIGKILLs it.
+- **Spawned processes' liveness.** ULFM's heartbeat does not watch processes spawned by a re-join,
+  nor a launch rank whose launch world has no other live process; those touch heartbeat files, each
+  rank watches the files of those on its host (``ft/liveness.py``), and for a frozen one writes the
+  record it cannot write and SIGKILLs it.
 - **The rank table** ``<run_dir>/ranks.json``: host and pid of every rank, for operators and tests.
 """
 
@@ -28,7 +29,7 @@ from typing import Any, NoReturn
 
 from ...failures import Kind
 from ...ft.failstop import fail_stop
-from ...ft.liveness import SpawnedMonitor
+from ...ft.liveness import SpawnedMonitor, beat_once_alone
 from ...ft.processes import ProcessInfo, reap
 from ...ft.records import write_record
 from ...ft.world import RecoveryResult
@@ -152,10 +153,14 @@ class Members:
 
     # -- spawned processes ---------------------------------------------------------------------
     def watch_spawned_processes(self) -> None:
-        """With re-join, look after the spawned processes of this host, which ULFM's heartbeat
-        detector does not watch (see ``ft/liveness.py``)."""
+        """With re-join, look after the processes of this host that ULFM's heartbeat detector does
+        not watch (see ``ft/liveness.py``): the spawned ones, and a launch rank left alone in its
+        launch world once the others were replaced by spawned processes. A launch rank therefore
+        starts its heartbeat file the moment it is alone (a spawned one beats from its start)."""
         s = self.s
         if s.rejoin_on:
+            from mpi4py import MPI
+
             SpawnedMonitor(
                 s.run_dir,
                 s.args.heartbeat_period_s,
@@ -163,14 +168,14 @@ class Members:
                 lambda: s.ftc.processes,
                 self._on_frozen_spawned,
             ).start()
+            if MPI.Comm.Get_parent() == MPI.COMM_NULL:
+                beat_once_alone(s.run_dir, s.args.heartbeat_period_s)
 
     def _on_frozen_spawned(self, info: ProcessInfo, last_beat: float, age: float) -> None:
-        """Monitor thread: a spawned process of this host is frozen. Write the record it cannot
-        write (a hang, at its last heartbeat), then SIGKILL it: the runtime reports the death to
-        every rank, and the recovery that follows logs the incident from the record."""
-        message = (
-            f"spawned rank {info.rank} (pid {info.pid} on {info.host}) sent no heartbeat for {age:.1f} s"
-        )
+        """Monitor thread: a process of this host that ULFM does not watch is frozen. Write the
+        record it cannot write (a hang, at its last heartbeat), then SIGKILL it: the runtime reports
+        the death to every rank, and the recovery that follows logs the incident from the record."""
+        message = f"rank {info.rank} (pid {info.pid} on {info.host}) sent no heartbeat for {age:.1f} s"
         # Its phase is this rank's when it found the freeze; its time, the last heartbeat.
         self.record(Kind.HANG, rank=info.rank, pid=info.pid, time=last_beat, message=message)
         print(f"[nanotron-recover] {message}: removing it", file=sys.stderr, flush=True)
