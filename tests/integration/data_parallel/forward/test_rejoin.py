@@ -269,6 +269,51 @@ def test_spawned_process_killed_or_frozen_from_outside(tmp_path, tmp_path_factor
     assert_replicas_identical(tmp_path, [0, 1, 2, 3])
 
 
+@pytest.mark.mpi
+def test_last_launch_rank_frozen_after_its_peer_was_replaced(tmp_path, tmp_path_factory, local_dataset):
+    """dp=2 ``launch`` with re-join: replica 1 dies and is spawned again, which leaves rank 0 the only
+    live process of the launch's ``MPI_COMM_WORLD``, where Open MPI's heartbeat detector then
+    watches it no more (nobody is left in its ring). The test SIGSTOPs rank 0 from outside: it
+    must be found by its heartbeat file like a spawned process (``ft/liveness.py``), removed and
+    spawned again, and the run completes (exit 0) at full width with the plain run's curve, without
+    the supervisor's commit deadline (found by a fault campaign: a ``freeze`` after a ``kill_two``
+    stalled the job for 100 s)."""
+    steps = 9
+    corpus = local_dataset.corpus_dir
+    faults = [{"step": 2, "replica": 1, "phase": "forward"}]
+    sets = sets_for(tmp_path, corpus, steps) + layout(1, 1, 2, 4) + rejoin_sets(faults)
+    job = BackgroundJob(tmp_path, ["launch", *train_args(tmp_path, sets)[1:]])
+    victim, first = job.pid(0), job.pid(1)
+
+    def spawned() -> int | None:
+        try:
+            pid = job.pid(1)
+        except (ValueError, KeyError):
+            return None  # the table being replaced
+        return pid if pid != first else None
+
+    job.wait_until(lambda: spawned() is not None, "a spawned rank 1 in the rank table")
+    os.kill(victim, signal.SIGSTOP)
+    frozen_at = time.time()
+    job.wait_until(lambda: not process_exists(victim), "the frozen rank 0 removed", timeout=60)
+    removed_s = time.time() - frozen_at
+    result = job.finish(timeout=150)
+    assert result.returncode == 0, result.output[-3000:]
+    assert removed_s < 20, f"rank 0 removed {removed_s:.0f} s after its freeze"
+    got = read_metrics(tmp_path)
+    assert_same_curve(got, plain_curve(tmp_path_factory, corpus, steps))
+    assert got[-1]["replicas"] == 2
+    incidents = read_incidents(tmp_path)
+    assert not [i for i in incidents if i.get("kind") in ("stalled", "job_lost")], incidents
+    lost = [i for i in incidents if i.get("kind") != "rejoin"]
+    assert [i["failed_replicas"] for i in lost] == [[1], [0]]
+    assert lost[1]["kind"] == "hang" and lost[1]["detect_method"] == "record"
+    assert f"(pid {victim} on" in result.output and "sent no heartbeat" in result.output
+    assert [j["replicas"] for j in rejoins(tmp_path)] == [[1], [0]]
+    assert job.pid(0) != victim
+    assert_replicas_identical(tmp_path, [0, 1])
+
+
 def run_processes(run_dir: Path) -> set[int]:
     """Live Python processes training in ``run_dir`` (their command line names it)."""
     found = set()
