@@ -10,10 +10,11 @@ the campaign runner (:mod:`nanotron_recover.chaos.runner`) and a campaign launch
   network namespace is that node's, :meth:`EmulatedCluster.signal`) and runs ``nanotron_recover.cli
   train`` on this run directory;
 - **unlisted**: the job's training processes on any node that the rank table does not name, not
-  stopped, and started after the job's latest relaunch (``generation.json``): a re-join's spawned
-  process, or a relaunched job's ranks before their table. Processes of an older generation left on
-  a node that was cut off or frozen (Slurm ends them once the node answers again) are not the job's
-  any more;
+  stopped, and started after the rank table or the relaunch record (``generation.json``) was last
+  written: a re-join's spawned process, or a relaunched job's ranks before their table. Processes
+  of an older generation left on a node that was cut off or frozen (Slurm ends them once the node
+  answers again), and a rank declared dead while alive on a node of its own (no survivor on its
+  host ends it), are not waited for;
 - **node kinds** (:meth:`ClusterTarget.node_fault`): ``node_power_off`` (SIGKILL of every process of
   the node, slurmd and ``/dev/shm`` included), ``link_cut`` (its interface down) and
   ``node_freeze`` (SIGSTOP of every process of it). Each node is given back ``restore_after_s``
@@ -162,11 +163,13 @@ class ClusterTarget(Target):
         self._scan = (now, found)
         return found
 
-    def _generation_started(self) -> float:
-        try:
-            return (self.run_dir / "generation.json").stat().st_mtime
-        except OSError:
-            return 0.0
+    def _table_written(self) -> float:
+        """When the rank table or the relaunch record was last written (0 before either)."""
+        latest = 0.0
+        for name in ("ranks.json", "generation.json"):
+            with contextlib.suppress(OSError):
+                latest = max(latest, (self.run_dir / name).stat().st_mtime)
+        return latest
 
     # -- Target -------------------------------------------------------------------------------------
     def ranks(self) -> dict[int, RankProcess]:
@@ -188,7 +191,10 @@ class ClusterTarget(Target):
 
     def unlisted(self) -> list[RankProcess]:
         listed = {p.pid for p in self.ranks().values()}
-        since = self._generation_started() - 1.0  # the boot time is known to the second
+        # Started after the rank table (or the relaunch) was last written: a spawned process is;
+        # a rank declared dead while alive and left on a node of its own (nobody on its host ends
+        # it) is not, nor a previous generation's process. The boot time is known to the second.
+        since = self._table_written() - 1.0
         return [
             RankProcess(None, None, node, pid)
             for node, pid in self.job_processes()
@@ -333,13 +339,19 @@ def run_cluster_campaign(
     restore_after_s: float = 15.0,
     ref_root: Path | None = None,
     out: Path | None = None,
-    hang_floor_s: float = 30.0,
+    hang_floor_s: float = 150.0,
     hang_factor: float = 50.0,
     ready_timeout_s: float = 90.0,
     log=None,
 ) -> dict[str, Any]:
     """Run ``schedule`` on a job of ``nodes`` + ``spares`` nodes of ``cluster`` (see the module);
-    the judged record (what ``<out>/chaos.json`` holds, ``out`` defaulting to the run dir)."""
+    the judged record (what ``<out>/chaos.json`` holds, ``out`` defaulting to the run dir).
+
+    ``hang_floor_s``: the smallest no-commit time the runner calls a hang. Across emulated nodes a
+    re-join's spawn waits on every node's Open MPI daemon, and a job held where no rank-level
+    deadline ends it is the supervisor's commit deadline's (``recover.commit_timeout_s``) to
+    relaunch: the floor must exceed that deadline plus a relaunch's start (150 s, for a 45 s
+    deadline), or the runner ends a job the supervisor was about to relaunch."""
     config = Path(config).resolve()
     run_dir = (work / "run").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
