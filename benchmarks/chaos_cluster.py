@@ -10,18 +10,26 @@ campaign runner drives it through the cluster target (``tests/helpers/chaos_clus
 link cut, node freeze, each node given back ``--restore-after-s`` later). The batch host (the node
 of the job script and ``mpirun``, a single point of failure) gets no node fault and no SIGSTOP.
 
-Writes ``benchmarks/results/chaos.json`` (the campaign's record: the schedule to replay, every
-fault with its target, reaction, time to the next commit and to full width, steps redone; the
-incidents; the totals; the machine) and ``chaos.md``: a summary (faults sent, time to the next
-commit per kind, steps redone, share of wall time at full width, relaunches, failed re-joins,
-healthy ranks declared dead, hangs) followed by the per-fault table.
+A job that fails (or hangs) before its faults are all sent is a result, not the end of the
+campaign: as an operator would, the benchmark submits a fresh job (a new run of the same config,
+on the same cluster) and sends it the faults the failed one did not get, re-based to its steps;
+each job is one *segment*, judged on its own against the plain run, until every fault is sent or
+``--budget-s`` has passed.
 
-    python benchmarks/chaos_cluster.py [--seed 5] [--faults 44] [--steps 700] [--replay chaos.json]
+Writes ``benchmarks/results/chaos.json`` (the schedule to replay, each segment's campaign record:
+every fault with its target, reaction, time to the next commit and to full width, steps redone;
+the incidents; the totals; the Slurm job; and the totals over all segments) and ``chaos.md``: a
+summary (faults sent, time to the next commit per kind, steps redone, share of wall time at full
+width, relaunches, failed re-joins, healthy ranks declared dead, hangs, failed jobs) followed by
+each segment's per-fault table.
+
+    python benchmarks/chaos_cluster.py [--seed 5] [--faults 44] [--steps 600] [--replay chaos.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -36,7 +44,7 @@ from common import describe, machine_info, markdown_table  # noqa: E402
 
 from nanotron_recover.chaos.kinds import KINDS  # noqa: E402
 from nanotron_recover.chaos.report import markdown  # noqa: E402
-from nanotron_recover.chaos.schedule import draw_schedule, load_schedule  # noqa: E402
+from nanotron_recover.chaos.schedule import Schedule, draw_schedule, schedule_from_dict  # noqa: E402
 from tests.helpers.chaos_cluster import run_cluster_campaign  # noqa: E402
 from tests.helpers.emulated_cluster import emulated_cluster, unavailable_reason  # noqa: E402
 
@@ -70,15 +78,14 @@ def campaign_sets(steps: int, checkpoint_interval: int, commit_timeout_s: float)
     ]
 
 
-def per_kind(record: dict) -> list[list[str]]:
+def per_kind(faults: list[dict]) -> list[list[str]]:
     """Per kind: faults sent, time to the next commit (median, max), to full width (median, max),
-    steps redone, relaunches in their windows."""
+    steps redone, relaunches in their windows, faults with a recorded reaction."""
     rows = []
-    kinds = dict.fromkeys(f["kind"] for f in record["faults"])
-    for kind in kinds:
-        faults = [f for f in record["faults"] if f["kind"] == kind and f.get("sent_at") is not None]
-        nxt = [f["to_next_commit_s"] for f in faults if f.get("to_next_commit_s") is not None]
-        full = [f["to_full_width_s"] for f in faults if f.get("to_full_width_s") is not None]
+    for kind in dict.fromkeys(f["kind"] for f in faults):
+        sent = [f for f in faults if f["kind"] == kind and f.get("sent_at") is not None]
+        nxt = [f["to_next_commit_s"] for f in sent if f.get("to_next_commit_s") is not None]
+        full = [f["to_full_width_s"] for f in sent if f.get("to_full_width_s") is not None]
 
         def stat(values: list[float]) -> str:
             return f"{statistics.median(values):.1f} / {max(values):.1f}" if values else "-"
@@ -86,22 +93,73 @@ def per_kind(record: dict) -> list[list[str]]:
         rows.append(
             [
                 kind,
-                str(len(faults)),
+                str(len(sent)),
                 stat(nxt),
                 stat(full),
-                str(sum(f["steps_redone"] for f in faults)),
-                str(sum(len(f["relaunches"]) for f in faults)),
-                str(sum(1 for f in faults if f["reaction"])),
+                str(sum(f["steps_redone"] for f in sent)),
+                str(sum(len(f["relaunches"]) for f in sent)),
+                str(sum(1 for f in sent if f["reaction"])),
             ]
         )
     return rows
 
 
-def summary_lines(record: dict, args: argparse.Namespace, machine: dict) -> list[str]:
-    t = record["totals"]
-    nxt = [f["to_next_commit_s"] for f in record["faults"] if f.get("to_next_commit_s") is not None]
-    slurm = record["slurm"]
-    incident_kinds = [i.get("kind") for i in record["incidents"]]
+def rebase(faults: list, first_step: int, steps: int, schedule: Schedule) -> Schedule:
+    """The faults a failed job did not get, for a fresh job: the first at ``first_step``, the gaps
+    kept (their indices too, so that the report names each fault as drawn)."""
+    shift = faults[0].step - first_step
+    moved = tuple(dataclasses.replace(f, step=f.step - shift) for f in faults)
+    return dataclasses.replace(
+        schedule, first_step=first_step, last_step=max(f.step for f in moved), faults=moved
+    )
+
+
+def totals_over(segments: list[dict], dp: int) -> dict:
+    faults = [f for r in segments for f in r["faults"]]
+    incidents = [i.get("kind") for r in segments for i in r["incidents"]]
+    walls = [r["totals"]["wall_s"] for r in segments]
+    shares = [(r["totals"]["full_width_share"], r["totals"]["wall_s"]) for r in segments]
+    weighted = [(s, w) for s, w in shares if s is not None]
+    nxt = sorted(f["to_next_commit_s"] for f in faults if f.get("to_next_commit_s") is not None)
+    hangs = [r["totals"]["hang"] for r in segments if r["totals"]["hang"]]
+    return {
+        "segments": len(segments),
+        "faults_sent": sum(r["totals"]["faults_sent"] for r in segments),
+        "faults_with_reaction": sum(r["totals"]["faults_with_reaction"] for r in segments),
+        "wall_s": sum(walls),
+        "to_next_commit_s": {
+            "median": statistics.median(nxt) if nxt else None,
+            "p90": nxt[int(0.9 * (len(nxt) - 1))] if nxt else None,
+            "max": max(nxt) if nxt else None,
+            "over_90_s": sum(1 for v in nxt if v > 90),
+        },
+        "steps_redone": sum(f["steps_redone"] for f in faults),
+        "full_width_share": sum(s * w for s, w in weighted) / sum(w for _, w in weighted)
+        if weighted
+        else None,
+        "relaunches": sum(r["totals"]["relaunches"] for r in segments),
+        "relaunches_by_kind": {k: incidents.count(k) for k in ("node_lost", "job_lost", "stalled", "regrow")},
+        "rejoins_joined": sum(r["totals"]["rejoins_joined"] for r in segments),
+        "rejoins_failed": sum(r["totals"]["rejoins_failed"] for r in segments),
+        "rejoins_given_up": sum(r["totals"]["rejoins_given_up"] for r in segments),
+        "healthy_ranks_declared_dead": sum(r["totals"]["healthy_ranks_declared_dead"] for r in segments),
+        "hangs": sum(1 for h in hangs if h.get("kind") == "hang"),
+        "campaign_timeouts": sum(1 for h in hangs if h.get("kind") == "timeout"),
+        "jobs_failed": sum(1 for r in segments if r["totals"]["exit_status"] != 0),
+        "jobs_completed_equal_to_plain": sum(
+            1 for r in segments if r["totals"]["exit_status"] == 0 and r["totals"]["equal_to_plain"]
+        ),
+        "jobs_completed_not_equal": sum(
+            1 for r in segments if r["totals"]["exit_status"] == 0 and not r["totals"]["equal_to_plain"]
+        ),
+    }
+
+
+def summary_lines(result: dict, args: argparse.Namespace, machine: dict) -> list[str]:
+    t = result["totals"]
+    segments = result["segments"]
+    nxt = t["to_next_commit_s"]
+    batch = sorted({r["slurm"]["batch_host"] for r in segments if r["slurm"]["batch_host"]})
     lines = [
         "# A chaos campaign on the emulated multi-node cluster",
         "",
@@ -111,36 +169,35 @@ def summary_lines(record: dict, args: argparse.Namespace, machine: dict) -> list
         "exact mode, re-join on, node-memory snapshots every step, a checkpoint every "
         f"{args.checkpoint_interval} steps, heartbeat 1 s / 5 s, commit deadline {args.commit_timeout_s:g} s. "
         f"Node faults are given back (powered on, linked, thawed) {args.restore_after_s:g} s later; the batch "
-        f"host ({slurm['batch_host']}: job script, supervisor, mpirun) gets no node fault and no SIGSTOP.",
-        "",
-        f"Verdict: **exit {record['exit_status']}**: {record['verdict']}. Slurm job {slurm['job_id']}: "
-        f"{slurm['state']} (exit code {slurm['exit_code']}).",
+        f"host ({', '.join(batch)}: job script, supervisor, mpirun) gets no node fault and no SIGSTOP. A job "
+        "that fails before its faults are sent is followed by a fresh one that gets the rest (a segment each).",
         "",
         "| total | value |",
         "|---|---|",
-        f"| faults sent / planned | {t['faults_sent']} / {t['faults_planned']} |",
+        f"| faults sent / drawn | {t['faults_sent']} / {args.faults} |",
         f"| faults with a recorded reaction | {t['faults_with_reaction']} |",
-        f"| wall time of the campaign | {t['wall_s'] / 60:.1f} min |",
-        "| fault -> next commit: median / p90 / max | "
+        f"| wall time of the campaign (all segments) | {t['wall_s'] / 60:.1f} min |",
+        f"| jobs (segments) / failed | {t['segments']} / {t['jobs_failed']} |",
+        f"| completed jobs equal to the plain run bit for bit / not equal | {t['jobs_completed_equal_to_plain']} / "
+        f"{t['jobs_completed_not_equal']} |",
+        "| fault -> next commit: median / p90 / max (over 90 s) | "
         + (
-            f"{statistics.median(nxt):.1f} / {sorted(nxt)[int(0.9 * (len(nxt) - 1))]:.1f} / {max(nxt):.1f} s |"
-            if nxt
+            f"{nxt['median']:.1f} / {nxt['p90']:.1f} / {nxt['max']:.1f} s ({nxt['over_90_s']}) |"
+            if nxt["median"] is not None
             else "- |"
         ),
-        f"| steps redone (relaunches) | {sum(f['steps_redone'] for f in record['faults'])} |",
+        f"| steps redone (relaunches) | {t['steps_redone']} |",
         f"| share of wall time at full width ({DP} replicas) | "
         + (f"{t['full_width_share']:.1%} |" if t["full_width_share"] is not None else "- |"),
-        f"| relaunches (node_lost / job_lost / stalled / regrow) | {t['relaunches']} "
-        f"({incident_kinds.count('node_lost')} / {incident_kinds.count('job_lost')} / "
-        f"{incident_kinds.count('stalled')} / {incident_kinds.count('regrow')}) |",
+        f"| relaunches (node_lost / job_lost / stalled / regrow) | {t['relaunches']} ("
+        + " / ".join(str(v) for v in t["relaunches_by_kind"].values())
+        + ") |",
         f"| re-joins joined / failed / given up | {t['rejoins_joined']} / {t['rejoins_failed']} / "
         f"{t['rejoins_given_up']} |",
         f"| healthy ranks declared dead | {t['healthy_ranks_declared_dead']} |",
-        f"| hangs (no commit past the runner's bound) | {'1: ' + t['hang']['message'] if t['hang'] else 0} |",
-        f"| equal to the plain run, bit for bit | {'yes' if t['equal_to_plain'] else 'no'} |",
-        f"| final replicas | {t['final_replicas']} |",
+        f"| hangs (no commit past the runner's bound) / campaign timeouts | {t['hangs']} / {t['campaign_timeouts']} |",
         "",
-        "Per kind (times in s, median / max):",
+        "Per kind, all segments (times in s, median / max):",
         "",
         *markdown_table(
             [
@@ -152,22 +209,18 @@ def summary_lines(record: dict, args: argparse.Namespace, machine: dict) -> list
                 "relaunches",
                 "with a reaction",
             ],
-            per_kind(record),
+            per_kind([f for r in segments for f in r["faults"]]),
         ),
         "",
-        "Node faults given back: "
-        + (
-            ", ".join(
-                f"{e['node']} {e['kind']} ({e['restored']} after {e['restored_after_s']:.0f} s)"
-                if e["restored_after_s"] is not None
-                else f"{e['node']} {e['kind']} (not restored: {e['restore_error']})"
-                for e in record["node_faults"]
-            )
-            or "none"
-        )
-        + ".",
-        "",
+        "| segment | Slurm job | state (exit) | faults sent | last step | verdict |",
+        "|---|---|---|---|---|---|",
     ]
+    for k, r in enumerate(segments):
+        lines.append(
+            f"| {k} | {r['slurm']['job_id']} | {r['slurm']['state']} ({r['slurm']['exit_code']}) | "
+            f"{r['totals']['faults_sent']} | {r['totals']['last_step']} / {r['totals']['target_step']} | "
+            f"exit {r['exit_status']}: {r['verdict']} |"
+        )
     return lines
 
 
@@ -175,30 +228,29 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument("--faults", type=int, default=44)
-    parser.add_argument("--steps", type=int, default=700)
+    parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--first-step", type=int, default=10)
-    parser.add_argument("--min-gap", type=int, default=14)
+    parser.add_argument("--min-gap", type=int, default=12)
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--checkpoint-interval", type=int, default=20)
     parser.add_argument("--commit-timeout-s", type=float, default=45)
     parser.add_argument("--restore-after-s", type=float, default=15)
-    parser.add_argument("--timeout-s", type=float, default=2700)
-    parser.add_argument("--replay", type=Path, help="a chaos.json (or chaos_schedule.json) to send again")
+    parser.add_argument("--budget-s", type=float, default=1800, help="no new segment after this")
+    parser.add_argument("--replay", type=Path, help="a chaos.json of this benchmark: its schedule again")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument(
         "--keep-logs",
         type=Path,
         default=Path(tempfile.gettempdir()) / "chaos_cluster_logs",
-        help="where the job's Slurm output, the runner's log and the incidents are copied",
+        help="where each job's Slurm output, the runner's log and the incidents are copied",
     )
     args = parser.parse_args()
     reason = unavailable_reason()
     if reason:
         sys.exit(f"no emulated cluster on this machine: {reason}")
     if args.replay is not None:
-        schedule = load_schedule(args.replay)
+        schedule = schedule_from_dict(json.loads(args.replay.read_text())["schedule"])
     else:
-        last = args.steps - 30
         schedule = draw_schedule(
             args.seed,
             args.faults,
@@ -206,52 +258,75 @@ def main() -> int:
             dp=DP,
             replica_size=1,
             first_step=args.first_step,
-            last_step=last,
+            last_step=args.steps - 30,
             min_gap=args.min_gap,
         )
     machine = machine_info()
     started = time.time()
+    segments: list[dict] = []
+    sets = campaign_sets(args.steps, args.checkpoint_interval, args.commit_timeout_s)
+    args.keep_logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         with emulated_cluster(n_nodes=N_NODES, cpus_per_node=2, slurmd_timeout_s=300) as cluster:
-            record = run_cluster_campaign(
-                cluster,
-                work,
-                CONFIG,
-                campaign_sets(args.steps, args.checkpoint_interval, args.commit_timeout_s),
-                schedule,
-                nodes=DP,
-                spares=N_NODES - DP,
-                timeout_s=args.timeout_s,
-                restore_after_s=args.restore_after_s,
-                ready_timeout_s=120,
-            )
-        run_dir = work / "run"
-        record["machine"] = machine
-        record["benchmark"] = {
-            "command": " ".join(sys.argv),
-            "seed": args.seed,
-            "wall_s_with_cluster": time.time() - started,
-        }
-        slurm_log = Path(record["slurm"]["log"])
-        record["slurm_log_tail"] = (
-            slurm_log.read_text(errors="replace").splitlines()[-200:] if slurm_log.exists() else []
-        )
-        record["replay"] = "python benchmarks/chaos_cluster.py --replay benchmarks/results/chaos.json"
-        lines = summary_lines(record, args, machine)
-        table = markdown(record).replace("# Chaos campaign\n", "")
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "chaos.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
-        (args.out / "chaos.md").write_text("\n".join(lines) + "\n" + table)
-        print((args.out / "chaos.md").read_text())
-        keep = args.keep_logs  # the job's whole output, for the evidence behind a finding
-        keep.mkdir(parents=True, exist_ok=True)
-        for name in ("chaos_job.log", "incidents.jsonl"):
-            if (run_dir / name).exists():
-                (keep / name).write_text((run_dir / name).read_text(errors="replace"))
-        if slurm_log.exists():
-            (keep / "slurm.out").write_text(slurm_log.read_text(errors="replace"))
-    return 0 if record["exit_status"] == 0 else 1
+            remaining = list(schedule.faults)
+            while remaining and time.time() - started < args.budget_s:
+                cluster.wait_nodes_idle(timeout_s=180)
+                k = len(segments)
+                part = schedule if k == 0 else rebase(remaining, args.first_step, args.steps, schedule)
+                left = args.budget_s - (time.time() - started)
+                record = run_cluster_campaign(
+                    cluster,
+                    work / f"segment{k}",
+                    CONFIG,
+                    sets,
+                    part,
+                    nodes=DP,
+                    spares=N_NODES - DP,
+                    timeout_s=max(600.0, left + 600.0),
+                    restore_after_s=args.restore_after_s,
+                    ready_timeout_s=120,
+                    ref_root=work / "chaos_reference",
+                )
+                run_dir = work / f"segment{k}" / "run"
+                slurm_log = Path(record["slurm"]["log"])
+                for name, src in (
+                    ("chaos_job.log", run_dir / "chaos_job.log"),
+                    ("incidents.jsonl", run_dir / "incidents.jsonl"),
+                    ("slurm.out", slurm_log),
+                ):
+                    if src.exists():
+                        (args.keep_logs / f"segment{k}-{name}").write_text(src.read_text(errors="replace"))
+                record["slurm_log_tail"] = (
+                    slurm_log.read_text(errors="replace").splitlines()[-120:] if slurm_log.exists() else []
+                )
+                segments.append(record)
+                sent = {f["index"] for f in record["faults"] if f.get("sent_at") is not None}
+                remaining = [f for f in remaining if f.index not in sent]
+                print(
+                    f"segment {k}: {len(sent)} faults sent, {len(remaining)} left: {record['verdict']}",
+                    flush=True,
+                )
+                if record["exit_status"] in (0, 4) and record["totals"]["exit_status"] == 0:
+                    break  # the job completed: faults not sent are the schedule's, not a failure's
+    result = {
+        "schedule": schedule.to_dict(),
+        "replay": "python benchmarks/chaos_cluster.py --replay benchmarks/results/chaos.json",
+        "machine": machine,
+        "benchmark": {"command": " ".join(sys.argv), "seed": args.seed, "wall_s": time.time() - started},
+        "totals": totals_over(segments, DP),
+        "segments": segments,
+    }
+    lines = summary_lines(result, args, machine)
+    for k, record in enumerate(segments):
+        table = markdown(record).replace("# Chaos campaign\n", f"## Segment {k}\n")
+        lines += ["", table]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "chaos.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (args.out / "chaos.md").write_text("\n".join(lines).rstrip() + "\n")
+    print((args.out / "chaos.md").read_text())
+    t = result["totals"]
+    return 0 if t["jobs_failed"] == 0 and t["jobs_completed_not_equal"] == 0 and t["hangs"] == 0 else 1
 
 
 if __name__ == "__main__":
