@@ -24,6 +24,7 @@ Nothing here imports ``mpi4py``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -60,6 +61,9 @@ class Fault:
     ``record``: the failure record each rank of those replicas writes before it dies (its
     ``kind``, ``phase``, ``message``...); none for a process killed from outside. ``running``:
     when every replica fails, ranks of the failed replicas that still run besides this one.
+    ``committed_elsewhere`` (an agree only): the other survivors returned from this agree before
+    the failure (they committed the step and meet the failure in the next one, which they plan in
+    the world before it and then repair); the recovery says so (``newest_commit``).
     """
 
     step: int
@@ -68,6 +72,7 @@ class Fault:
     replicas: tuple[int, ...]
     record: dict[str, Any] | None = None
     running: tuple[int, ...] = ()
+    committed_elsewhere: bool = False
 
 
 class FakeGlobalComm:
@@ -128,6 +133,10 @@ class FakeComm:
         self.results: list[RecoveryResult] = []
         self.barriers = 0
         self.watch_stopped = False
+        self.last_commit = -1
+        # The others committed the step a failure interrupted here: their next step is planned in
+        # the world before the failure (these replicas) and repaired without the failed ones.
+        self._carried: tuple[list[int], set[int]] | None = None
 
     # -- set-up by the test -------------------------------------------------------------------
     def bind(self, grads: torch.Tensor, bookkeeping: torch.Tensor) -> None:
@@ -137,7 +146,12 @@ class FakeComm:
     def begin_step(self, step: int) -> None:
         """A new step: the plan every replica starts it with (the policy counts steps from 0)."""
         self.step = step
-        self.plan = steady_plan(step - 1, self.B, self._alive, self.spares)
+        if self._carried is not None:
+            before, gone = self._carried
+            self._carried = None
+            self.plan = repair(steady_plan(step - 1, self.B, before, self.spares), gone).plan
+        else:
+            self.plan = steady_plan(step - 1, self.B, self._alive, self.spares)
         self.ops = Counter()
         self.others_view = (0.0, 0.0)
 
@@ -268,10 +282,15 @@ class FakeComm:
             recover_s=0.004,
             rounds=1,
         )
+        if fault.committed_elsewhere:
+            assert op == "agree", "only an agree can return on some ranks and raise on others"
+            result = dataclasses.replace(result, newest_commit=self.step)
+            self._carried = (list(self._alive), gone)
         self.results.append(result)
         if not survivors:
             raise AllReplicasFailed(result)
-        self.plan = repair(self.plan, gone).plan
+        if not fault.committed_elsewhere:
+            self.plan = repair(self.plan, gone).plan
         self._alive = survivors
         self.epoch += 1
         self.others_view = (detected_at - OTHERS_BEGAN_S, detected_at - OTHERS_SURFACED_S)

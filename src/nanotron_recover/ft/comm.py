@@ -124,6 +124,7 @@ rank at exit.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -291,6 +292,9 @@ class FaultTolerantComm:
         # True while this rank is inside allreduce_/agree/recover: MPI itself will tell it about
         # failures then, so the failure watch leaves it alone.
         self.in_ft_operation = False
+        # The last step this rank committed (set by the step transaction): gathered at the end of
+        # every recovery, so that a rank whose commit agree raised learns whether others returned.
+        self.last_commit = -1
 
     def _start_watch(
         self, base: MPI.Comm, on_failure_notice: Callable[[list[int], float], None] | None
@@ -583,7 +587,21 @@ class FaultTolerantComm:
         self.install(new.global_comm, new.replica_comm, new.dp_comm, new.membership)
         for comm in new.spent:
             free_comm(comm)
-        return result
+        # 5. The newest commit among the survivors. A process that dies right after it contributed
+        # to the step agree may leave the agree returning on one survivor and raising
+        # ERR_PROC_FAILED on another (the man page promises a uniform error only for a process
+        # that fails before contributing). Seen on the emulated cluster in exact mode: the logging
+        # rank returned from step N's agree and wrote N, was killed there, and from N+1 on the run
+        # left the fault-free curve with the same ids: survivors summing different steps. The one
+        # that raised is one step behind; it learns it here and commits the step it holds
+        # (step.py) instead of redoing it.
+        try:
+            newest = max(self._global.allgather(self.last_commit))
+        except MPI.Exception as exc:
+            if not is_fault(exc):
+                raise
+            return self._recover(trigger, detect_s=detect_s, entry_agree=True)
+        return dataclasses.replace(result, newest_commit=newest)
 
 
 __all__ = [

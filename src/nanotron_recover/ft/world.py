@@ -49,6 +49,10 @@ class RecoveryResult:
     # True on a rank of a failed replica that stays in the job, parked, to be reused when its
     # replica re-joins (``recover.rejoin``); such a rank has no replica or DP communicator.
     parked: bool = False
+    # The newest step any survivor had committed when the recovery ended (each rank's
+    # ``FaultTolerantComm.last_commit``; -1: unknown). A rank whose commit agree raised while
+    # another returned from it learns here that its step was committed (see ``comm.py``).
+    newest_commit: int = -1
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}

@@ -87,6 +87,9 @@ class StepTransaction:
         self.computing: tuple[int, ...] = ()
         self.current_id: int | None = None
         self.carried: list[Incident] = []  # repaired before the next step began: written with it
+        # A failure met in the commit agree of a step other survivors committed: this rank commits
+        # it too, and repairs the next step as they do (see ``_committed_elsewhere``).
+        self.behind: WorldChanged | None = None
 
     def attach(self) -> None:
         """Buckets over the engine's gradient buffer and the bookkeeping vector (after attach)."""
@@ -116,7 +119,13 @@ class StepTransaction:
     def run(self, step: int) -> ReducedStep:
         s = self.s
         s.step = step
+        s.ftc.last_commit = step - 1
+        behind, self.behind = self.behind, None
         alive = s.ftc.alive_replicas
+        if behind is not None:
+            # The others started this step in the world before the failure: plan in it, then
+            # repair below exactly as they repair it.
+            alive = sorted({*alive, *behind.result.failed_replicas})
         s.injector.begin_step(step, alive)
         # The policy counts steps from 0: its step t holds ids t*B .. t*B+B-1.
         if s.args.policy == "adaptive_world":
@@ -134,6 +143,11 @@ class StepTransaction:
             if not mine.contributes:
                 state.shadow = s.parts.engine.grads_flat.clone()  # a Spare's gradients count only if promoted
                 s.parts.engine.grads_flat.zero_()
+        if behind is not None:
+            mark = times.now()
+            self.rejoin.note_failure(step, behind.result)
+            self._repair(step, state, behind)
+            times.add("recovery", mark)
         while True:
             with times.phase("gate"):
                 self._gate()
@@ -152,6 +166,10 @@ class StepTransaction:
                 times.add("agree", mark)
                 break
             except WorldChanged as changed:
+                if self._committed_elsewhere(step, changed):
+                    stop = 0
+                    times.add("agree", mark)
+                    break
                 self.rejoin.note_failure(step, changed.result)
                 if changed.result.parked:
                     raise Parked(f"replica {s.ftc.replica} failed in step {step}") from None
@@ -164,6 +182,7 @@ class StepTransaction:
             self.incidents.write(state.incidents, committed)
             self.incidents.flush_rejoins()  # a failed re-join may be why the job stops
             raise self.stops.agreed(stop, step - 1)
+        s.ftc.last_commit = step
         summed = self._summed_ids(step, state)
         loss_sum = torch.tensor(
             [s.bookkeeping[s.B : 2 * s.B].sum().item()], dtype=torch.float64, device=s.parts.world.device
@@ -301,6 +320,21 @@ class StepTransaction:
         book[2 * s.B + s.W + s.ftc.replica] = surfaced
 
     # -- in-step repair ------------------------------------------------------------------------
+    def _committed_elsewhere(self, step: int, changed: WorldChanged) -> bool:
+        """Whether the failure that interrupted this step's commit agree came after another
+        survivor returned from it: that survivor committed ``step`` and went on to the next one.
+        This rank then commits ``step`` too, with the sums it holds (its reduction was complete:
+        it was in the agree), and starts the next step where the others are: planned in the world
+        before the failure, repaired as they repair it (:meth:`run`). Redoing ``step`` instead
+        would leave it one step behind them for good, summing its gradients with theirs."""
+        s, result = self.s, changed.result
+        if s.phase != Phase.AGREE or result.parked or result.newest_commit < step:
+            return False
+        if s.ftc.last_commit != step - 1:
+            return False
+        self.behind = changed
+        return True
+
     def _repair(self, step: int, state: StepState, changed: WorldChanged) -> None:
         s, result = self.s, changed.result
         s.last_failure_view = (result.detected_at - result.detect_s, result.detected_at)

@@ -226,3 +226,32 @@ def test_the_gate_on_nccl_goes_through_the_store_with_the_gate_timeout(tmp_path,
                 "rank(s) [1] of the replica did not arrive",
             )
         ]
+
+
+# -- a failure after the others committed the step --------------------------------------------------
+
+
+def test_a_failure_after_the_others_committed_the_step_commits_it_here_too(tmp_path):
+    """Replica 3 dies right after contributing to step 1's agree: the others returned from it
+    (committed step 1) and this replica's agree raised. The recovery says a survivor committed
+    step 1, so this replica commits it with the sums it holds instead of redoing it, and plans
+    step 2 in the world of 4, repaired without replica 3, as the others do: every step is still
+    the full batch, and the two sides never sum different steps."""
+    job = Replica(tmp_path, W=4, G=2, me=0, faults=[Fault(1, "agree", 0, (3,), committed_elsewhere=True)])
+    reduced = job.step(1)
+    job.assert_full_batch(1, reduced)
+    assert job.engine.batches == [[0, 1]]  # nothing redone
+    assert job.incidents == []  # the failure is the next step's incident, as the others log it
+
+    reduced = job.step(2)
+    job.assert_full_batch(2, reduced)
+    # Planned for 4 replicas (ids 8, 9 are ours), then replica 3's ids 14, 15 spread: 14 is ours.
+    assert job.engine.batches == [[8, 9], [14]]
+    assert reduced.extra == {"world_epoch": 1, "g_cur": 2, "g_ext": 1}
+    (incident,) = job.incidents
+    assert incident["step"] == 2 and incident["failed_replicas"] == [3]
+    assert incident["lost_ids"] == [14, 15] and incident["alive_replicas"] == [0, 1, 2]
+
+    reduced = job.step(3)  # then the steady plan of the 3 survivors
+    job.assert_full_batch(3, reduced)
+    assert job.engine.batches == [[16, 17, 18]]
