@@ -319,6 +319,7 @@ def main() -> int:
     }
     lines = summary_lines(result, args, machine)
     for k, record in enumerate(segments):
+        record["replay"] = f"{result['replay']} (segment {k}: the faults it got, re-based to its steps)"
         table = markdown(record).replace("# Chaos campaign\n", f"## Segment {k}\n")
         lines += ["", table]
     args.out.mkdir(parents=True, exist_ok=True)
