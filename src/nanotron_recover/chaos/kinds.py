@@ -23,8 +23,9 @@ to one or more of its rank processes, at a moment the job does not choose:
 
 Three more kinds need whole nodes, so an emulated or real multi-node cluster target: ``node_power_off``,
 ``link_cut`` and ``node_freeze``. They are part of the vocabulary (a schedule may hold them), but
-only a cluster target can send them, and none is implemented yet: the runner refuses them on a
-local target before the job starts.
+only a cluster target can send them (``Target.node_fault``): the emulated Slurm cluster's, in
+``tests/helpers/chaos_cluster.py``, sends them there; the runner refuses them on a local target
+before the job starts.
 """
 
 from __future__ import annotations
