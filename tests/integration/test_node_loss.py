@@ -132,7 +132,10 @@ def test_power_loss_with_a_spare_node_relaunches_at_full_width(cluster, tmp_path
     incident = relaunch_incident(job)
     assert incident["hosts_lost"] == [victim] and incident["state_from"] == "snapshot"
     assert victim not in incident["hosts"] and spare in incident["hosts"]
-    assert lost_after - 1 <= incident["restored_step"] <= lost_after + 1
+    # The survivors may repair the step forward and go on at 2 replicas for a few steps until Open
+    # MPI's runtime (or the supervisor's probe of the silent host) ends the job; the relaunch then
+    # restores the newest snapshot every coordinate holds: at most one committed step is redone.
+    assert incident["restored_step"] >= lost_after - 1 and incident["steps_redone"] <= 1, incident
     assert incident["alive_replicas"] == [0, 1, 2]
     assert spare in {r["host"] for r in job.ranks()} and victim not in {r["host"] for r in job.ranks()}
     parts = sum(incident[k] for k in ("cleanup_s", "probe_s", "start_s", "first_step_s"))
