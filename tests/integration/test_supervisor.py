@@ -320,4 +320,6 @@ def test_a_job_frozen_whole_is_relaunched_on_the_commit_deadline(tmp_path, plain
     assert len(stalled) == 1, read_incidents(tmp_path)
     (incident,) = stalled
     assert incident["generation"] == 1 and incident["state_from"] == "snapshot"
-    assert frozen_after - 1 <= incident["restored_step"] <= frozen_after
+    # A step in flight when the last rank stopped may still commit (its record written a moment
+    # after the test read the file): one step either side of what the test saw.
+    assert frozen_after - 1 <= incident["restored_step"] <= frozen_after + 1, incident
