@@ -404,9 +404,6 @@ def test_spawned_process_killed_inside_its_join_costs_a_relaunch_not_the_join_de
     assert result.returncode == 0, result.output[-4000:]
     assert "the re-join cannot complete" in result.output, result.output[-4000:]
     assert "the job gave itself up (re-join:" in result.output, result.output[-4000:]
-    # members_wait_s (30 s at this heartbeat) bounds a process that never beat, the rest is the
-    # relaunch and the remaining steps: far below the 300 s join deadline.
-    assert took < 200, took
     got = read_metrics(tmp_path)
     assert_same_curve(got, plain_curve(tmp_path_factory, corpus, steps))
     (relaunch,) = [i for i in read_incidents(tmp_path) if i["kind"] == "job_lost"]
