@@ -73,9 +73,9 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import Config, LlamaConfig, dump_config, to_dict
-from .models.llama import LlamaStage, stage_layers
-from .parallel.sharding import ParamSpec, shard, unshard
+from ..config import Config, LlamaConfig, dump_config, to_dict
+from ..models.llama import LlamaStage, stage_layers
+from ..parallel.sharding import ParamSpec, shard, unshard
 
 FORMAT_VERSION = 1
 DEFAULT_FINALIZE_TIMEOUT_S = 600.0
