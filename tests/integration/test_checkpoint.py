@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from nanotron_recover import checkpoint
 from nanotron_recover.checkpoint import (
     CheckpointError,
     CheckpointIOError,
@@ -37,6 +36,7 @@ from nanotron_recover.checkpoint import (
     run_identity,
     save_checkpoint,
 )
+from nanotron_recover.checkpoint import save as checkpoint_save
 from nanotron_recover.config import (
     CheckpointsArgs,
     Config,
@@ -259,7 +259,7 @@ def test_failed_async_save_keeps_its_error(tmp_path, monkeypatch):
     def refuse(obj, path):
         raise PermissionError(errno.EACCES, "Permission denied", str(path))
 
-    monkeypatch.setattr(checkpoint, "_torch_save", refuse)
+    monkeypatch.setattr(checkpoint_save, "_torch_save", refuse)
     pending = save_checkpoint(tmp_path, 3, cfg, stage, None, tp=1, pp=1, dp_rank=0, asynchronous=True)
     assert isinstance(pending, PendingSave)
     with pytest.raises(CheckpointIOError) as first:
@@ -277,13 +277,13 @@ def test_failed_async_save_keeps_its_error(tmp_path, monkeypatch):
 def test_pending_save_poll_and_timeout(tmp_path, monkeypatch):
     cfg, stage = tiny()
     release = threading.Event()
-    original = checkpoint._torch_save
+    original = checkpoint_save._torch_save
 
     def slow(obj, path):
         release.wait(30)
         original(obj, path)
 
-    monkeypatch.setattr(checkpoint, "_torch_save", slow)
+    monkeypatch.setattr(checkpoint_save, "_torch_save", slow)
     pending = save_checkpoint(tmp_path, 5, cfg, stage, None, tp=1, pp=1, dp_rank=0, asynchronous=True)
     assert pending.poll() is None and not pending.done and pending.error is None
     with pytest.raises(CheckpointTimeoutError):
@@ -337,13 +337,13 @@ def _two_rank_scenarios(rank: int, root: Path) -> None:
     cfg, stage = tiny()
     cfg = replace(cfg, parallelism=ParallelismArgs(dp=2))
     kw = {"tp": 1, "pp": 1, "dp_rank": rank}
-    original = checkpoint._torch_save
+    original = checkpoint_save._torch_save
 
     def full_disk(obj, path):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     def save(step: int, failing: int | None, asynchronous: bool, timeout_s: float = 60.0, fault=full_disk):
-        checkpoint._torch_save = fault if rank == failing else original
+        checkpoint_save._torch_save = fault if rank == failing else original
         try:
             t0 = time.monotonic()
             try:
@@ -363,7 +363,7 @@ def _two_rank_scenarios(rank: int, root: Path) -> None:
             except CheckpointError as e:
                 return None, e, time.monotonic() - t0
         finally:
-            checkpoint._torch_save = original
+            checkpoint_save._torch_save = original
             dist.barrier()  # both ranks see the outcome on disk before the next scenario
 
     path, error, _ = save(2, None, asynchronous=False)

@@ -1,0 +1,54 @@
+"""Publication: the renames that make a written step folder the checkpoint ``latest`` names.
+
+Rank 0 publishes once every rank wrote all its files into ``step_<s>.tmp``: after the ranks agreed
+(synchronous saves, ``save.py``) or after every ``done/`` marker came in (asynchronous saves,
+``async_save.py``). The save already wrote the next value of ``latest`` into the tmp folder
+(``latest.next``), so publication needs no disk space: it is renames only, each atomic. Every rename
+of a published path is in this module, in :func:`_publish`:
+
+1. ``step_<s>`` -> ``step_<s>.old.tmp``, only when the same step was saved before (e.g. after a
+   resume): the previous copy is kept until the new one is in place;
+2. ``step_<s>.tmp`` -> ``step_<s>``;
+3. ``step_<s>/latest.next`` -> ``latest``: the checkpoint is published;
+
+and, when a rename fails, back to how things were: ``step_<s>`` -> ``step_<s>.tmp`` (3 failed; the
+caller discards the tmp folder) and ``step_<s>.old.tmp`` -> ``step_<s>`` (``latest`` may name it).
+
+Until rename 3, ``latest`` keeps naming the previous checkpoint, so a job killed before it resumes
+from that one, intact. The exception is the same step saved again: killed between renames 1 and 2,
+``latest`` names a folder that is for the moment ``step_<s>.old.tmp``, which reading reports as a
+one-line error (``paths.py``) instead of resuming from it; killed between 2 and 3, it names the new
+copy, complete.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from .files import _remove
+from .paths import LATEST, NEXT_LATEST
+
+
+def _publish(root: Path, tmp: Path, final: Path) -> None:
+    """Rank 0, every rank's files written: make ``final`` the checkpoint ``latest`` names. Renames
+    only; a job killed in between leaves ``latest`` naming the previous (intact) checkpoint."""
+    old = None
+    if final.exists():  # the same step saved again (e.g. after a resume): keep it until replaced
+        old = root / f"{final.name}.old.tmp"
+        _remove(old)
+        os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+        try:
+            os.replace(final / NEXT_LATEST, root / LATEST)
+        except OSError:
+            os.replace(final, tmp)  # not published after all: the caller discards it
+            raise
+    except OSError:
+        if old is not None:  # put the previous copy back: ``latest`` may name it
+            os.replace(old, final)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
