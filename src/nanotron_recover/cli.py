@@ -52,6 +52,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
     run_dir.mkdir(parents=True, exist_ok=True)
+    from . import fencing
+
+    try:
+        fencing.adopt(run_dir)  # before anything shared is written
+    except (fencing.TokenError, ValueError) as e:
+        raise InputError(str(e)) from e
     trainer = DistributedTrainer(cfg, run_dir, build_data_parallel(cfg, run_dir))
     try:
         trainer.train(stop_after_step=args.stop_after_step)

@@ -8,7 +8,7 @@ clears before it starts) means the run died without a word: a failure.
 Keys: ``status`` (``completed`` | ``stopped``), ``last_step`` (last committed step),
 ``target_step`` (the step the run was asked to reach; null when the writer does not know it),
 ``kind`` (null, or a :data:`~.failures.STOP_ORDER` name), ``message`` (one line), ``exit_code``,
-``time``.
+``time``, ``token`` (the writer's fencing token, :mod:`.fencing`; null for a writer without one).
 
 A job that lost every replica is recorded too (kind ``all_replicas_lost``, exit 1): by the lowest
 rank still running, or, when no rank is left to write it, by the launcher (:mod:`.supervisor`).
@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from . import fencing
 from .errors import ExitCode
 from .failures import Kind
 
@@ -41,7 +43,9 @@ def write_outcome(
     kind: str | None = None,
     message: str | None = None,
 ) -> bool:
-    """Write the record atomically; False (nothing raised) if the disk refuses it."""
+    """Write the record atomically; False (nothing raised) if the disk refuses it, or if this
+    process was fenced off the run directory by a newer job (:mod:`.fencing`: checked right before
+    the rename). The record names the writer's fencing token."""
     if status not in ("completed", "stopped"):
         raise ValueError(f"unknown outcome status {status!r}")
     record = {
@@ -52,13 +56,19 @@ def write_outcome(
         "message": message,
         "exit_code": int(exit_code),
         "time": time.time(),
+        "token": None if fencing.mine() is None else fencing.mine().as_record(),
     }
     path = Path(run_dir) / FILENAME
     tmp = path.with_name(f"{FILENAME}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps(record) + "\n")
+        fencing.guard(run_dir, FILENAME)
         os.replace(tmp, path)
         return True
+    except fencing.Fenced as e:
+        print(f"[nanotron-recover] {e}", file=sys.stderr, flush=True)
+        tmp.unlink(missing_ok=True)
+        return False
     except OSError:
         try:
             tmp.unlink()

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,7 +61,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import fencing
 from .commit_deadline import CommitWatch, DeadlineArgs, Stalled
+from .commit_record import read_commit
 from .errors import ExitCode
 from .failures import Kind
 from .generation import Relaunch, clear_relaunch, write_relaunch
@@ -336,8 +339,20 @@ def _describe(outcome: dict[str, Any] | None) -> str:
     return f"{'completed' if outcome.get('status') == 'completed' else 'stopped'} ({steps})"
 
 
+def new_generation(run_dir: str | Path, nonce: str | None = None) -> fencing.Token:
+    """Advance the run directory's fencing token (:mod:`.fencing`) and forget the previous job's
+    fenced processes (``fence/``: per host and pid, which a new job's processes may reuse)."""
+    token = fencing.advance(run_dir, nonce)
+    shutil.rmtree(Path(run_dir) / "fence", ignore_errors=True)
+    return token
+
+
 def last_committed_step(run_dir: str | Path) -> int:
-    """The last step in ``<run_dir>/metrics.jsonl`` (0 without one)."""
+    """The last committed step: the commit record (:mod:`.commit_record`), or for a run directory
+    without one, the last step in ``<run_dir>/metrics.jsonl`` (0 without either)."""
+    record = read_commit(run_dir)
+    if record is not None:
+        return record.step
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return 0
@@ -416,6 +431,8 @@ def supervise(
     """:func:`run_supervised` then :func:`report`: run ``cmd`` and return the run's exit status,
     0 only when its outcome record says every requested step was committed."""
     log = _log(prefix)
+    env = dict(os.environ if env is None else env)
+    env[fencing.ENV] = str(new_generation(run_dir, fencing.new_nonce()))
     result = run_supervised(cmd, run_dir, grace_s=grace_s, env=env, timeout_s=timeout_s, log=log)
     return report(result, run_dir, target_step=target_step, log=log)
 
@@ -444,6 +461,7 @@ def run_relaunching(
     log = _log(prefix)
     hosts = HostPlan.from_slurm() if hosts is None else hosts
     clear_relaunch(run_dir)
+    token = new_generation(run_dir, fencing.new_nonce())
     generation, before, launch_cmd = 0, last_committed_step(run_dir), cmd
     lost_before: list[str] = []
     retried_start = False  # the last launch was a retried start (which is not retried again)
@@ -452,6 +470,7 @@ def run_relaunching(
     env = dict(os.environ if env is None else env)
     while True:
         env[RELAUNCHES_LEFT_ENV] = str(relaunches - generation)
+        env[fencing.ENV] = str(token)
         watch_hosts = None
         if hosts is not None and len(hosts.hosts) > 1:
             watch_hosts = LostHostWatch(run_dir, hosts.hosts, hosts.answering)
@@ -475,6 +494,9 @@ def run_relaunching(
         regrow = asks_regrow(result.outcome)
         if not (is_lost_job(result.outcome) or regrow) or result.interrupted_by is not None:
             return report(result, run_dir, target_step=target_step, log=log)
+        # Fence the ended job now, before the cleanup and the probe: one of its processes that
+        # the runtime could not end (a cut-off or frozen node) writes nothing from this instant.
+        token = new_generation(run_dir)
         after = last_committed_step(run_dir)
         if generation >= relaunches:
             log(f"not relaunching: recover.max_restarts={relaunches} relaunches used")

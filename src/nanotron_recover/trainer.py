@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from . import fencing
 from .checkpoint import (
     CheckpointError,
     PendingSave,
@@ -36,6 +37,7 @@ from .checkpoint import (
     lr_schedule_origin_at_start,
     resumed_lr_schedule_origin,
 )
+from .commit_record import write_commit
 from .config import Config
 from .config.validate import config_notes
 from .data import MicroBatchSource
@@ -394,7 +396,13 @@ class DistributedTrainer:
         folder = self.run_dir / "parameters"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"replica{self.dp_mode.replica_id()}_{self.engine.digest_name}.sha256"
-        path.write_text(digest + "\n")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(digest + "\n")
+        try:
+            fencing.guard(self.run_dir, f"parameters/{path.name}")  # an older job's rank: nothing
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
         return path
 
     def _stop_reporting(self) -> None:
@@ -410,6 +418,7 @@ class DistributedTrainer:
 
     def _start_reporting(self, truncate_after_step: int | None = None) -> None:
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", truncate_after_step=truncate_after_step)
+        write_commit(self.run_dir, self.metrics.last_step)  # a resumed run's record goes back with it
         self.run_logger = RunLogger.start(
             self.cfg.logging.wandb, self.run_dir, run_name_for_config(self.cfg), self.cfg
         )
@@ -458,6 +467,7 @@ class DistributedTrainer:
         for rec in self._history:
             self.metrics.write(rec)  # skips steps already in the file
             self.run_logger.log_step(rec)  # likewise
+        write_commit(self.run_dir, self.metrics.last_step)  # what the supervisor reads
         if self.exporter is not None:
             self.exporter.observe_step(record)
         self.progress.update(record)

@@ -110,5 +110,14 @@ def test_a_stop_for_too_few_replicas_is_not_relaunched(tmp_path):
 def test_a_lost_job_record_written_by_the_supervisor_is_valid_json_with_every_key(tmp_path):
     supervise(fake_job(tmp_path, "pass\n"), tmp_path / "run", grace_s=1.0)
     record = json.loads((tmp_path / "run" / "outcome.json").read_text())
-    assert set(record) == {"status", "last_step", "target_step", "kind", "message", "exit_code", "time"}
+    assert set(record) == {
+        "status",
+        "last_step",
+        "target_step",
+        "kind",
+        "message",
+        "exit_code",
+        "time",
+        "token",
+    }
     assert (record["last_step"], record["target_step"], record["exit_code"]) == (0, None, 1)

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .. import fencing
 from .jsonl import read_jsonl
 
 
@@ -22,6 +23,7 @@ class IncidentLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict[str, Any]) -> None:
+        fencing.guard(self.path.parent, self.path.name)  # not for a process of an older job
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from .. import fencing
 from .jsonl import read_jsonl
 
 
@@ -32,13 +34,22 @@ class MetricsWriter:
         kept = read_jsonl(self.path) if self.path.exists() else []
         if truncate_after_step is not None:
             kept = [r for r in kept if r["step"] <= truncate_after_step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        # Rewritten aside and renamed: a reader (the supervisor, a live view) never sees it half
+        # written, and a writer of an older job (fencing.py) never replaces it.
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        try:
+            fencing.guard(self.path.parent, self.path.name)
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
         self.last_step = max((r["step"] for r in kept), default=0)
         self._file = self.path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:
         if record["step"] <= self.last_step:
             return
+        fencing.guard(self.path.parent, self.path.name)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         self.last_step = record["step"]

@@ -27,6 +27,7 @@ import threading
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ... import fencing
 from ...failures import Kind
 from ...ft.failstop import fail_stop
 from ...ft.liveness import SpawnedMonitor, beat_once_alone
@@ -133,12 +134,14 @@ class Members:
             fail_stop(f"rank {ftc.rank} was removed from the job; not writing")
         if not self.current_generation():
             fail_stop(
-                f"rank {ftc.rank} belongs to generation {self.s.generation} of a relaunched job; not writing"
+                f"rank {ftc.rank} holds fencing token {fencing.mine()} (generation {self.s.generation} "
+                f"of a relaunched job); the run directory belongs to a newer job; not writing"
             )
 
     def current_generation(self) -> bool:
-        """Whether this process still belongs to the job's current generation."""
-        return read_generation(self.s.run_dir) == self.s.generation
+        """Whether this process still belongs to the job's current generation: its fencing token
+        is the run directory's (``fencing.py``), and so is its relaunch count."""
+        return fencing.is_current(self.s.run_dir) and read_generation(self.s.run_dir) == self.s.generation
 
     def fence(self, failed_ranks: tuple[int, ...]) -> None:
         """Mark removed processes so that one that wakes up later writes nothing (see check_member)."""

@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
+from ... import fencing
 from ...errors import StopRun
 from ...failures import Kind, Phase
 from ...ft.faults import FaultInjector
@@ -346,5 +347,10 @@ def members_wait_s(args: Any) -> float:
 
 
 def spawn_command() -> list[str]:
-    """How a replacement process starts: this rank's own command line, through the CLI."""
-    return [sys.executable, "-m", "nanotron_recover.cli", *sys.argv[1:]]
+    """How a replacement process starts: this rank's own command line, through the CLI, with this
+    job's fencing token (``fencing.py``) in its environment: the runtime does not pass the job's
+    environment on to spawned processes on every launcher, and a replacement must not adopt a token
+    newer than the job that made it."""
+    cmd = [sys.executable, "-m", "nanotron_recover.cli", *sys.argv[1:]]
+    token = fencing.mine()
+    return cmd if token is None else ["env", f"{fencing.ENV}={token}", *cmd]
