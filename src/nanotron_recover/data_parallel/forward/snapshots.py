@@ -41,6 +41,17 @@ rank dies. So the slot's pages are allocated first (``posix_fallocate``, after a
 of the free space); a slot that does not fit is a skipped snapshot (:class:`SnapshotSkipped`, with
 the space needed and free), never a dead rank, and the job goes on with its older snapshots and the
 disk checkpoint.
+
+Fenced first. A process that no longer belongs to the job (an older generation of a relaunched job:
+``may_publish`` answers False) touches no slot: it is asked before a slot's ``published.json`` is
+removed (:class:`SnapshotFenced`, a skipped snapshot) and again before one is published.
+
+Removed when the job ends for good. A snapshot is tens of GB of a node's RAM that outlives every
+process of the job, so :func:`remove_run_snapshots` removes one run's folder on this host (from the
+run id alone, without a live :class:`NodeSnapshots`; ``nanotron-recover snapshots clean`` and the
+Slurm job script's last step call it on every node), only inside the private folder, never through
+a symlink. A rank removes them itself when its job completes or stops without a relaunch
+(:meth:`NodeSnapshots.remove_run`, called by ``mode.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ import mmap
 import os
 import shutil
 import stat
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +91,14 @@ class SnapshotDirRefused(SnapshotSkipped):
     it nor read from it."""
 
 
+class SnapshotFenced(SnapshotSkipped):
+    """This process no longer belongs to the job (``may_publish`` answered False): it touches no
+    slot, so a newer generation's snapshots on this node stay as they are."""
+
+
+_FIX = "point recover.snapshot.dir at a folder of your own, e.g. /dev/shm/nanotron-recover-{uid}"
+
+
 def snapshot_dir(configured: str | Path) -> Path:
     """``recover.snapshot.dir`` with ``{uid}`` replaced by this process's user id."""
     return Path(str(configured).replace("{uid}", str(os.getuid())))
@@ -90,8 +110,6 @@ def private_root(configured: str | Path) -> Path:
     ours and looser), inside a parent that no other user may rename it in. Raises
     :class:`SnapshotDirRefused` with one line saying why otherwise."""
     root = snapshot_dir(configured)
-    uid = os.getuid()
-    fix = "point recover.snapshot.dir at a folder of your own, e.g. /dev/shm/nanotron-recover-{uid}"
     try:
         root.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
@@ -102,8 +120,33 @@ def private_root(configured: str | Path) -> Path:
         st = os.lstat(root)
     except OSError as error:
         raise SnapshotDirRefused(
-            f"node snapshots off: cannot create {root} ({os.strerror(error.errno or 0)}); {fix}"
+            f"node snapshots off: cannot create {root} ({os.strerror(error.errno or 0)}); {_FIX}"
         ) from error
+    _check_private(root, parent, st)
+    return root
+
+
+def existing_private_root(configured: str | Path) -> Path | None:
+    """The snapshot folder if it exists (None otherwise: nothing is created), after the checks of
+    :func:`private_root`; :class:`SnapshotDirRefused` when they fail."""
+    root = snapshot_dir(configured)
+    try:
+        st = os.lstat(root)
+        parent = os.lstat(root.parent)
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise SnapshotDirRefused(
+            f"node snapshots: cannot read {root} ({os.strerror(error.errno or 0)})"
+        ) from error
+    _check_private(root, parent, st)
+    return root
+
+
+def _check_private(root: Path, parent: os.stat_result, st: os.stat_result) -> None:
+    """Raise :class:`SnapshotDirRefused` unless ``root`` (``st``, from ``lstat``) is a private
+    folder of this user inside ``parent``; make it ``0700`` when it is ours and looser."""
+    uid, fix = os.getuid(), _FIX
     # A folder anyone may write without the sticky bit: another user could swap ours for a link.
     if parent.st_mode & stat.S_IWOTH and not parent.st_mode & stat.S_ISVTX and parent.st_uid != uid:
         raise SnapshotDirRefused(
@@ -123,7 +166,78 @@ def private_root(configured: str | Path) -> Path:
             raise SnapshotDirRefused(
                 f"node snapshots off: cannot make {root} private (mode {stat.S_IMODE(st.st_mode):o}): {error}"
             ) from error
-    return root
+
+
+@dataclass(frozen=True)
+class Removed:
+    """What :func:`remove_run_snapshots` removed on this host: the run's folder, how many files
+    and how many bytes of memory they held (allocated blocks), and what could not be removed."""
+
+    path: Path
+    files: int = 0
+    nbytes: int = 0
+    errors: tuple[str, ...] = ()
+
+
+def run_folder(root: str | Path, run_id: str) -> Path:
+    """``<root>/<run_id>``; ``ValueError`` unless ``run_id`` is one plain name (a run id from
+    ``restore.snapshot_run_id`` always is), so that nothing outside ``root`` is ever named."""
+    if not run_id or run_id in (".", "..") or "/" in run_id or "\0" in run_id:
+        raise ValueError(f"{run_id!r} is not a run id (one name, as `snapshot_run_id` makes it)")
+    return snapshot_dir(root) / run_id
+
+
+def remove_run_snapshots(root: str | Path, run_id: str) -> Removed:
+    """Remove every snapshot of run ``run_id`` on this host: the folder ``<root>/<run_id>`` with
+    every replica's and coordinate's slots, whatever generation wrote them.
+
+    Only inside a private folder of this user (the checks of :func:`private_root`, without creating
+    it: a missing folder removes nothing); :class:`SnapshotDirRefused` otherwise. Never through a
+    symlink: a link in the run's place is removed itself, not what it points to, and the tree is
+    removed with ``shutil.rmtree``, which does not follow links on Linux. Removing what is already
+    gone is not an error (several ranks of one node may remove the same run at once)."""
+    path = run_folder(root, run_id)
+    if existing_private_root(root) is None:
+        return Removed(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return Removed(path)
+    if not stat.S_ISDIR(st.st_mode):  # a link or a file in the run's place: that entry alone
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return Removed(path)
+        except OSError as error:
+            return Removed(path, errors=(f"{path}: {os.strerror(error.errno or 0)}",))
+        return Removed(path, 1, st.st_blocks * 512)
+    files, nbytes = _held(path)
+    errors: list[str] = []
+
+    def failed(function: Any, name: str, info: Any) -> None:
+        error = info[1] if isinstance(info, tuple) else info  # onerror's exc_info, onexc's exception
+        if not isinstance(error, FileNotFoundError):
+            errors.append(f"{name}: {error.strerror if isinstance(error, OSError) else error}")
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=failed)
+    else:
+        shutil.rmtree(path, onerror=failed)
+    return Removed(path, files, nbytes, tuple(errors))
+
+
+def _held(folder: Path) -> tuple[int, int]:
+    """(files, bytes allocated) under ``folder``, links not followed (a link counts, its target not)."""
+    files = nbytes = 0
+    for parent, dirs, names in os.walk(folder, followlinks=False):
+        for name in names + [d for d in dirs if os.path.islink(os.path.join(parent, d))]:
+            try:
+                st = os.lstat(os.path.join(parent, name))
+            except OSError:
+                continue
+            files += 1
+            nbytes += st.st_blocks * 512
+    return files, nbytes
 
 
 @dataclass(frozen=True)
@@ -160,7 +274,8 @@ class NodeSnapshots:
         self.run_root = self.root / run_id
         self.layout_id, self.coordinate, self.replica = layout_id, coordinate, replica
         self.generation, self.max_bytes = generation, max_bytes
-        # Asked right before a snapshot is published: False for a process fenced off the job.
+        # Asked before a slot is touched and again right before it is published (the removal of
+        # the run's snapshots asks it too): False for a process fenced off the job.
         self.may_publish = may_publish or (lambda: True)
         self._thread: threading.Thread | None = None
         self._exported = threading.Event()
@@ -242,12 +357,18 @@ class NodeSnapshots:
 
     def _copy_into_slot(self, state: EngineState) -> Path:
         """The state's bytes into the older slot's ``state.bin`` (its ``published.json`` removed
-        first); the slot."""
+        first); the slot. Nothing is touched by a process fenced off the job
+        (:class:`SnapshotFenced`): the slot it would take may hold the newest snapshot of the
+        generation that replaced it."""
         nbytes = state.nbytes()
         if self.max_bytes is not None and nbytes > self.max_bytes:
             raise SnapshotSkipped(
                 f"node snapshot skipped: {nbytes / 2**20:.1f} MiB exceeds recover.snapshot.max_mb "
                 f"({self.max_bytes / 2**20:.1f} MiB)"
+            )
+        if not self.may_publish():
+            raise SnapshotFenced(
+                "node snapshot skipped: this process no longer belongs to the job (a newer generation runs)"
             )
         self._checked_root()
         mine = self._mine()
@@ -374,17 +495,24 @@ class NodeSnapshots:
                 pass
         return state
 
-    def remove_run(self) -> None:
-        """Remove this run's snapshots on this node (the run completed or was cancelled)."""
+    def remove_run(self) -> Removed | None:
+        """Remove this run's snapshots on this node (the job ended for good: completed, or stopped
+        without a relaunch): this rank's slots and every other one of the run here, stale slots of
+        an earlier generation's replicas included (:func:`remove_run_snapshots`). Every rank of the
+        node calls it after its own last write, so the last one leaves nothing. None, and nothing
+        removed, for a process fenced off the job (a newer generation may be using them) or a
+        folder that is not ours (:attr:`refused`)."""
         self.wait()
         for mapped in self._maps.values():
             mapped.close()
         self._maps.clear()
+        if not self.may_publish():
+            return None
         try:
-            self._checked_root()  # never remove anything through a folder that is not ours
-        except SnapshotDirRefused:
-            return
-        shutil.rmtree(self.run_root, ignore_errors=True)
+            return remove_run_snapshots(self.root, self.run_root.name)
+        except SnapshotDirRefused as refused:  # never remove anything through a folder not ours
+            self.refused = refused
+            return None
 
 
 # -- metadata as JSON ------------------------------------------------------------------------------

@@ -156,8 +156,82 @@ def test_write_killed_from_outside_keeps_the_previous_snapshot(tmp_path):
 def test_remove_run(tmp_path):
     snaps = store(tmp_path)
     snaps.write(1, lambda: state_of(1), asynchronous=False)
-    snaps.remove_run()
+    removed = snaps.remove_run()
     assert snaps.available() == [] and not (tmp_path / "run-a").exists()
+    assert removed.path == tmp_path / "run-a" and removed.files == 3 and removed.errors == ()
+
+
+# -- removal: without a live store, only inside the private folder -----------------------------------
+def test_a_run_is_removed_from_its_id_alone_every_replica_and_coordinate(tmp_path):
+    """What ``snapshots clean`` and the job script's last step do: every slot of the run on this
+    host (any replica, coordinate or generation), nothing of another run; bytes as allocated."""
+    for replica in (0, 1):
+        for coordinate in (0, 1):
+            w = NodeSnapshots(tmp_path, "run-a", "tp1pp1", coordinate=coordinate, replica=replica)
+            w.write(1, lambda: state_of(1), asynchronous=False)
+            w.write(2, lambda: state_of(2), asynchronous=False)
+    other = store(tmp_path)
+    other.run_root = tmp_path / "run-b"
+    other.write(1, lambda: state_of(1), asynchronous=False)
+    held = sum(f.lstat().st_blocks * 512 for f in (tmp_path / "run-a").rglob("*") if f.is_file())
+
+    removed = snapshots_module.remove_run_snapshots(tmp_path, "run-a")
+
+    assert removed == snapshots_module.Removed(tmp_path / "run-a", 4 * 2 * 3, held)
+    assert removed.nbytes >= 8 * state_of(1).nbytes()
+    assert not (tmp_path / "run-a").exists() and [p.step for p in other.available()] == [1]
+    again = snapshots_module.remove_run_snapshots(tmp_path, "run-a")  # nothing left: not an error
+    assert (again.files, again.nbytes, again.errors) == (0, 0, ())
+
+
+def test_removal_names_nothing_outside_the_private_folder_and_follows_no_link(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_bytes(b"x" * 5000)
+    root = tmp_path / "shm"
+    for bad in ("", ".", "..", "../victim", "a/b"):
+        with pytest.raises(ValueError, match="is not a run id"):
+            snapshots_module.remove_run_snapshots(root, bad)
+    # A missing folder removes nothing and is not created.
+    assert snapshots_module.remove_run_snapshots(root, "run-a").files == 0 and not root.exists()
+    # A link in a run's place is removed itself; a link inside a run is removed, not followed.
+    root.mkdir(mode=0o700)
+    (root / "run-a").symlink_to(victim)
+    assert snapshots_module.remove_run_snapshots(root, "run-a").files == 1
+    store(root).write(1, lambda: state_of(1), asynchronous=False)
+    (root / "run-a" / "c0" / "link").symlink_to(victim)
+    (root / "run-a" / "c0" / "file-link").symlink_to(victim / "precious")
+    assert snapshots_module.remove_run_snapshots(root, "run-a").files == 5
+    assert not (root / "run-a").exists() and (victim / "precious").read_bytes() == b"x" * 5000
+    # A folder that is a link (or not ours) is refused as a whole: nothing behind it is touched.
+    store(victim).write(1, lambda: state_of(1), asynchronous=False)
+    (tmp_path / "linked").symlink_to(victim)
+    with pytest.raises(SnapshotDirRefused, match="is a symlink"):
+        snapshots_module.remove_run_snapshots(tmp_path / "linked", "run-a")
+    assert (victim / "run-a").is_dir() and (victim / "precious").exists()
+
+
+def test_a_process_fenced_off_the_job_touches_no_slot_and_removes_nothing(tmp_path):
+    """An older generation's process (``may_publish`` False) on a node where the newer one keeps its
+    snapshots: its write skips before a slot's ``published.json`` is removed or its ``state.bin``
+    written, and its end removes nothing."""
+    current = store(tmp_path)
+    current.write(1, lambda: state_of(1), asynchronous=False)
+    current.write(2, lambda: state_of(2), asynchronous=False)
+    slots = sorted((tmp_path / "run-a").rglob("*"))
+    before = [(p, p.stat().st_mtime_ns, p.stat().st_size) for p in slots]
+    fenced = store(tmp_path, may_publish=lambda: False)
+
+    fenced.write(3, lambda: state_of(3), asynchronous=False)
+
+    assert isinstance(fenced.error, snapshots_module.SnapshotFenced)
+    assert isinstance(fenced.error, SnapshotSkipped) and "no longer belongs to the job" in str(fenced.error)
+    assert [
+        (p, p.stat().st_mtime_ns, p.stat().st_size) for p in sorted((tmp_path / "run-a").rglob("*"))
+    ] == before
+    assert [p.step for p in current.available()] == [2, 1]
+    assert fenced.remove_run() is None
+    assert [p.step for p in current.available()] == [2, 1]
 
 
 def test_live_tensors_are_copied_before_the_state_may_change_and_each_slot_file_is_kept(tmp_path):
