@@ -183,7 +183,7 @@ class FakeComm:
         finally:
             self.in_ft_operation = False
 
-    def agree(self, flag: bool, stop: int = 0) -> tuple[bool, int]:
+    def agree(self, flag: bool, stop: int = 0, kind: str = "step") -> tuple[bool, int]:
         if not 0 <= stop <= 0xFF:
             raise ValueError(f"stop bits must be in 0..255, got {stop}")
         self.in_ft_operation = True

@@ -323,7 +323,12 @@ class ForwardRecovery:
 
     def _snapshots_at_stop(self, job: StopJob) -> None:
         """A job relaunched next (lost, or stopped to regrow) keeps its snapshots, every one of
-        them published before the rank exits; any other stop gives them back."""
+        them published before the rank exits; any other stop gives them back.
+
+        A rank never removes them on a signal: the supervisor's own SIGTERM ends a job it is about
+        to relaunch (stalled, its lost hosts gone, given up), and a rank cannot tell it from a
+        cancellation. What a cancelled or timed-out job leaves, the job script's last step removes
+        (``nanotron-recover snapshots clean`` on every node)."""
         if not job.relaunched:
             self._end_snapshots()
         elif self.snapshots is not None:
@@ -331,10 +336,15 @@ class ForwardRecovery:
 
     def _end_snapshots(self) -> None:
         """The job ended with an outcome (completed or stopped): nothing will be relaunched from
-        this node's snapshots."""
-        if self.snapshots is not None:
-            self.snapshots.wait()
-            self.snapshots.remove_run()
+        this node's snapshots, so this rank removes the run's folder on its node (every rank of the
+        node does, each after its own last write). Also when this process wrote none (an earlier
+        generation's may be here); never by a process fenced off the job (``remove_run``)."""
+        store = self.snapshots
+        if store is None and self.s.ftc is not None:
+            store = self._snapshot_store()  # None when snapshots are off
+        if store is not None:
+            store.wait()
+            store.remove_run()
 
     def abort(self, error: BaseException) -> None:
         """Any other error escaping the step becomes a fail-stop: an exception exit would not be

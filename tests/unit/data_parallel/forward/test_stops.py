@@ -3,10 +3,17 @@ one exit status, on every path that ends the job."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from nanotron_recover.data_parallel.forward import members as members_module
+from nanotron_recover.data_parallel.forward.restore import snapshot_layout_id, snapshot_run_id
+from nanotron_recover.data_parallel.forward.snapshots import NodeSnapshots
+from nanotron_recover.engines.state import EngineState
 from nanotron_recover.errors import ExitCode, StopRun
 from nanotron_recover.failures import stop_bit
+from nanotron_recover.generation import Relaunch, write_relaunch
 from tests.helpers.fake_comm import Fault
 from tests.helpers.forward_replica import Exited, Replica
 
@@ -155,3 +162,79 @@ def test_every_replica_lost_is_recorded_by_the_lowest_rank_still_running(tmp_pat
 
     assert exited.value.code == ExitCode.FAILED
     assert job.outcomes == [] and job.saves == []
+
+
+# -- node-memory snapshots at the end of the job ------------------------------------------------------
+def snapshotting(job: Replica) -> Replica:
+    """The fake engine exports as the mode asks (``export_state(copy=False)``): real snapshots."""
+    job.engine.export_state = lambda copy=True: EngineState({"grads": job.engine.grads_flat.clone()}, {})
+    return job
+
+
+def snapshot_files(run_dir: Path) -> list[Path]:
+    return sorted(p for p in (run_dir / "shm").rglob("*") if not p.is_dir())
+
+
+def committed(job: Replica, *steps: int) -> None:
+    for step in steps:
+        job.assert_full_batch(step, job.step(step))
+        job.fr.after_step(step)
+    job.fr.snapshots.wait()
+    assert job.fr.snapshots.error is None and job.fr.snapshots.written == list(steps)
+
+
+def test_a_completed_job_leaves_no_snapshot_on_its_node(tmp_path, exits):
+    job = snapshotting(Replica(tmp_path, W=2, G=2, me=1))
+    committed(job, 1, 2)
+    assert snapshot_files(tmp_path)
+
+    job.fr.finish(2)
+
+    assert snapshot_files(tmp_path) == []
+
+
+def test_a_stop_without_relaunch_leaves_no_snapshot_on_its_node(tmp_path, exits):
+    # Replica 0 fails in step 3 and min_replicas=2: the job stops (exit 3), nothing relaunches it.
+    job = snapshotting(
+        Replica(
+            tmp_path, W=2, G=2, me=1, faults=[Fault(3, "allreduce", 0, (0,))], sets=["recover.min_replicas=2"]
+        )
+    )
+    committed(job, 1, 2)
+
+    with pytest.raises(Exited) as exited:
+        job.step(3)
+
+    assert exited.value.code == ExitCode.TOO_FEW_REPLICAS and job.saves == [(2, True)]
+    assert snapshot_files(tmp_path) == []
+
+
+def test_a_rank_that_wrote_no_snapshot_still_removes_the_runs_on_its_node(tmp_path, exits):
+    # An earlier generation's replica 3 left its slots on this node; this job completes at once.
+    job = Replica(tmp_path, W=2, G=2, me=1)
+    cfg = job.fr.s.cfg
+    old = NodeSnapshots(tmp_path / "shm", snapshot_run_id(cfg, tmp_path), snapshot_layout_id(cfg), 0, 3)
+    old.write(5, lambda: EngineState({"w": job.engine.grads_flat.clone()}, {}), asynchronous=False)
+    assert snapshot_files(tmp_path) and job.fr.snapshots is None
+
+    job.fr.finish(0)
+
+    assert snapshot_files(tmp_path) == []
+
+
+def test_a_rank_fenced_off_the_job_leaves_the_new_generations_snapshots(tmp_path, exits, monkeypatch):
+    """A process of generation 0 still running when generation 1 was launched (a node cut off, then
+    back) writes no snapshot and, when it completes, removes none of the node's."""
+    job = snapshotting(Replica(tmp_path, W=2, G=2, me=1))
+    committed(job, 1, 2)
+    monkeypatch.setattr(members_module, "fail_stop", lambda reason: pytest.fail(reason))
+    write_relaunch(tmp_path, Relaunch(generation=1, cause="node_lost", ended_at=0.0, last_committed=2))
+    before = [(p, p.stat().st_mtime_ns) for p in snapshot_files(tmp_path)]
+
+    job.assert_full_batch(3, job.step(3))
+    job.fr.after_step(3)  # its snapshot of step 3 is skipped: the slots are generation 1's now
+    job.fr.snapshots.wait()
+    job.fr.finish(3)
+
+    assert "no longer belongs to the job" in str(job.fr.snapshots.error)
+    assert [(p, p.stat().st_mtime_ns) for p in snapshot_files(tmp_path)] == before
