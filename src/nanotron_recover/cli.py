@@ -1,4 +1,4 @@
-"""``nanotron-recover``: train, launch, watch, convert, eval, preprocess.
+"""``nanotron-recover``: train, launch, watch, convert, eval, preprocess, snapshots.
 
 ``train`` is the per-rank entry point (mpirun starts one per rank); ``launch`` (see
 :mod:`.launcher`) starts ``mpirun`` with the flags the engine needs, runs ``train`` on every rank and
@@ -225,6 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("new", metavar="NEW_FOLDER", help="Nanoset folder to write (new or without *.ds files)")
     p.add_argument("--tokenizer", help="tokenizer name for the metadata (default: index.json's)")
     p.set_defaults(func=cmd_convert_corpus)
+
+    from .snapshot_cleanup import add_snapshots_arguments, run_snapshots
+
+    p = sub.add_parser(
+        "snapshots", help="node-memory snapshots on this host: `snapshots clean` removes one run's"
+    )
+    add_snapshots_arguments(p)
+    p.set_defaults(func=run_snapshots)
 
     from .chaos.command import add_chaos_arguments
 

@@ -5,7 +5,9 @@ runs it.
 running ``nanotron-recover train`` on every rank, with ULFM and its heartbeat failure detector on in
 the fault-tolerant mode. :func:`launch` validates the config once, then hands the command to the
 supervisor (:mod:`.supervisor`: the exit status from the run's outcome record, and a relaunch after
-a lost node) or, for the checkpoint-restart baseline, to its relaunch loop (:mod:`.restart`).
+a lost node) or, for the checkpoint-restart baseline, to its relaunch loop (:mod:`.restart`). Once
+the supervisor is done with a forward-recovery run, whatever way it ended, the run's node-memory
+snapshots on this host are removed (:mod:`.snapshot_cleanup`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from .config import Config, load_config
 from .errors import InputError
 from .ft.heartbeat import heartbeat_mca
 from .restart import run_with_restarts
-from .supervisor import default_grace_s, launch_env, run_relaunching, supervise
+from .snapshot_cleanup import clean_this_host
+from .supervisor import PREFIX, default_grace_s, launch_env, run_relaunching, supervise
 
 
 # -- the command line ---------------------------------------------------------------------------
@@ -166,15 +169,23 @@ def launch(
         checkpoints = Path(ck.checkpoints_path) if ck.checkpoints_path else run_dir / "checkpoints"
         return run_with_restarts(cfg, run_dir, cmd, checkpoints, grace_s=grace_s, target_step=target)
     if cfg.recover.forward:
-        return run_relaunching(
-            cmd,
-            run_dir,
-            grace_s=grace_s,
-            target_step=target,
-            env=launch_env(),
-            relaunches=cfg.recover.max_restarts,
-            replica_size=cfg.parallelism.replica_size,
-            min_replicas=cfg.recover.min_replicas,
-            deadline=DeadlineArgs.from_recover(cfg.recover),
-        )
+        try:
+            return run_relaunching(
+                cmd,
+                run_dir,
+                grace_s=grace_s,
+                target_step=target,
+                env=launch_env(),
+                relaunches=cfg.recover.max_restarts,
+                replica_size=cfg.parallelism.replica_size,
+                min_replicas=cfg.recover.min_replicas,
+                deadline=DeadlineArgs.from_recover(cfg.recover),
+            )
+        finally:
+            # The supervisor is done with the run (completed, stopped, interrupted, or lost with no
+            # relaunch left): no job will start from this host's snapshots, the next launch of the
+            # run starts from disk. The ranks removed them if the job ended with an outcome.
+            cleaned = clean_this_host(cfg, run_dir)
+            if cleaned is not None:
+                print(f"{PREFIX}: {cleaned}", file=sys.stderr, flush=True)
     return supervise(cmd, run_dir, grace_s=grace_s, target_step=target, env=launch_env())
