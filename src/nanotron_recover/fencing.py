@@ -51,8 +51,10 @@ class TokenError(RuntimeError):
     """``token.json`` exists but cannot be read or parsed."""
 
 
-class Fenced(RuntimeError):
-    """This process's token is not the run directory's: it must not write shared files."""
+class Fenced(PermissionError):
+    """This process's token is not the run directory's: it must not write shared files. A
+    PermissionError, so that every path that handles a refused write (a checkpoint abandoned and
+    discarded, a record not written) handles this one the same way."""
 
 
 @dataclass(frozen=True)
@@ -133,11 +135,13 @@ def _fsync_dir(folder: Path) -> None:
 # -- this process's own token ---------------------------------------------------------------------
 _mine: Token | None = None
 _adopted = False
+_run_dir: Path | None = None  # the run directory the token was adopted for
 
 
-def set_mine(token: Token | None) -> None:
-    global _mine, _adopted
+def set_mine(token: Token | None, run_dir: str | Path | None = None) -> None:
+    global _mine, _adopted, _run_dir
     _mine, _adopted = token, True
+    _run_dir = None if run_dir is None else Path(run_dir)
 
 
 def mine() -> Token | None:
@@ -148,7 +152,7 @@ def adopt(run_dir: str | Path) -> Token | None:
     """At a process's start: its token, from ``NANOTRON_RECOVER_TOKEN`` (a supervised job) or else
     from the run directory as it is now (a job started without a supervisor); this process's."""
     text = os.environ.get(ENV)
-    set_mine(Token.parse(text) if text else read_token(run_dir))
+    set_mine(Token.parse(text) if text else read_token(run_dir), run_dir)
     return _mine
 
 
@@ -176,3 +180,10 @@ def guard(run_dir: str | Path, what: str) -> None:
         f"not writing {what}: this process holds fencing token {_mine}, the run directory "
         f"{run_dir} is at {current} (a newer job owns it)"
     )
+
+
+def guard_adopted(what: str) -> None:
+    """:func:`guard` against the run directory this process adopted its token for (a write outside
+    it, e.g. a checkpoint folder elsewhere, is still the run's); nothing for a process without one."""
+    if _adopted and _run_dir is not None:
+        guard(_run_dir, what)

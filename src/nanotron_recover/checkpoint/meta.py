@@ -3,7 +3,8 @@
 ``meta.json`` records the format version, the step, the layout the checkpoint was saved with (tp,
 pp, dp and the world size), the dtype, whether optimizer state is present, the run identity
 (``identity.py``), the ``save_id`` of the save that wrote it, the model config, the whole config as
-YAML, the step the learning-rate schedule counts from, and for every canonical tensor its full
+YAML, the step the learning-rate schedule counts from, the fencing token of the job that saved it
+(``fencing.py``), and for every canonical tensor its full
 shape, its shard dimension and the pipeline stage (:func:`canonical_stage`) whose files hold it. A
 reader needs nothing else to reassemble a tensor from the shards of any layout.
 """
@@ -15,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from .. import fencing
 from ..config import Config, LlamaConfig, dump_config
 from ..models.llama import LlamaStage, stage_layers
 from ..parallel.sharding import ParamSpec
@@ -72,6 +74,8 @@ def _meta(
         "config_yaml": dump_config(cfg),
         # The step the learning-rate schedule counts from (see resumed_lr_schedule_origin).
         "lr_schedule_origin": cfg.lr_schedule_origin,
+        # The fencing token of the job that saved it (fencing.py; null without one).
+        "token": None if fencing.mine() is None else fencing.mine().as_record(),
         **(extra or {}),
     }
 

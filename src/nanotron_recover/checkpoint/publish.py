@@ -14,6 +14,10 @@ of a published path is in this module, in :func:`_publish`:
 and, when a rename fails, back to how things were: ``step_<s>`` -> ``step_<s>.tmp`` (3 failed; the
 caller discards the tmp folder) and ``step_<s>.old.tmp`` -> ``step_<s>`` (``latest`` may name it).
 
+Before each rename the writer's fencing token is checked (``fencing.py``): a process of an older
+job (stopped or cut off while a newer one took the run over) gets a refused write (``Fenced``, a
+PermissionError) and its save is abandoned like one the disk refused.
+
 Until rename 3, ``latest`` keeps naming the previous checkpoint, so a job killed before it resumes
 from that one, intact. The exception is the same step saved again: killed between renames 1 and 2,
 ``latest`` names a folder that is for the moment ``step_<s>.old.tmp``, which reading reports as a
@@ -27,6 +31,7 @@ import os
 import shutil
 from pathlib import Path
 
+from .. import fencing
 from .files import _remove
 from .paths import LATEST, NEXT_LATEST
 
@@ -35,13 +40,18 @@ def _publish(root: Path, tmp: Path, final: Path) -> None:
     """Rank 0, every rank's files written: make ``final`` the checkpoint ``latest`` names. Renames
     only; a job killed in between leaves ``latest`` naming the previous (intact) checkpoint."""
     old = None
+    # Each rename is fenced at its own moment (fencing.py): a writer stopped for minutes between
+    # its save and this publication, while a newer job took the run over, publishes nothing.
+    fencing.guard_adopted(f"checkpoint {final.name}")
     if final.exists():  # the same step saved again (e.g. after a resume): keep it until replaced
         old = root / f"{final.name}.old.tmp"
         _remove(old)
         os.replace(final, old)
     try:
+        fencing.guard_adopted(f"checkpoint {final.name}")
         os.replace(tmp, final)
         try:
+            fencing.guard_adopted(f"{LATEST} -> {final.name}")
             os.replace(final / NEXT_LATEST, root / LATEST)
         except OSError:
             os.replace(final, tmp)  # not published after all: the caller discards it

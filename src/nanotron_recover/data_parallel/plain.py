@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import fencing
 from ..config import Config, check_world_size
 from ..errors import StopRun
 from ..failures import Phase, stop_of_rank, stop_rank
@@ -134,7 +135,8 @@ class PlainDataParallel:
             self.parts.write_outcome("completed", last_step, None)
 
     def check_member(self) -> None:
-        pass
+        # A process of an older job in this run directory (fencing.py) writes nothing.
+        fencing.guard_adopted("the run's files")
 
     def is_logger(self) -> bool:
         return self.parts.world.rank == 0
