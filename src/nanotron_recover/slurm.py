@@ -16,6 +16,12 @@ otherwise. ULFM's heartbeat failure detector is on with ``recover.heartbeat_peri
 ``gpus_per_node=0`` renders a CPU job (gloo, no ``--gpus-per-node``, ranks oversubscribed inside the
 allocation): the same script shape the tests run on a local single-node Slurm.
 
+The script ends, whatever way it ends (the run's end, a failure, ``scancel --batch --signal=TERM``,
+the time limit: ``--signal=B:TERM@120`` asks Slurm for a SIGTERM to the script two minutes before
+it), by stopping the training and removing the run's node-memory snapshots on every node of the
+allocation that answers (``nanotron-recover snapshots clean``, :mod:`.snapshot_cleanup`); its exit
+status stays the training's.
+
 ``spare_nodes=K`` (``--spare-nodes``, for ``recover.rejoin.mode: spawn``) allocates K nodes more than
 the ranks fill and leaves their slots free for the processes a re-join spawns; see
 :func:`mpirun_mapping` for how mpirun is kept off them.
@@ -46,6 +52,15 @@ DEFAULT_TEMPLATE = Path(__file__).resolve().parent / "templates" / "nanotron_rec
 DEFAULT_TIME = "24:00:00"
 DEFAULT_GPUS_PER_NODE = 8
 SBATCH_TIMEOUT_S = 60
+# The job script's end (templates/nanotron_recover.sbatch.in): Slurm signals the script this long
+# before the time limit; the training then has STOP_WAIT_S to stop before the supervisor is asked
+# to SIGKILL it, and the node-memory snapshots' cleanup takes at most CLEANUP_TIMEOUT_S per node
+# (all nodes at once). Slurm may signal up to a minute early, never late; a job of less than
+# SIGNAL_MIN_LIMIT_S gets no such signal (it would come soon after the start).
+CLEANUP_LEAD_S = 120
+SIGNAL_MIN_LIMIT_S = 600
+STOP_WAIT_S = 30
+CLEANUP_TIMEOUT_S = 60
 WANDB_ENV = {
     "project": "WANDB_PROJECT",
     "entity": "WANDB_ENTITY",
@@ -239,7 +254,13 @@ def render_sbatch(
     directives.append(f"--output={out_dir}/slurm-%j.out")
     # A node that fails must not end the allocation: the surviving replicas recover forward.
     directives.append("--no-kill")
-    for extra in extra_sbatch or []:
+    extras = list(extra_sbatch or [])
+    limit = time_limit_s(time)
+    if not any(e.startswith("--signal") for e in extras) and (limit is None or limit >= SIGNAL_MIN_LIMIT_S):
+        # SIGTERM to the script alone before the time limit: it stops the training and removes the
+        # node-memory snapshots while the job may still start steps (a step cannot start after it).
+        directives.append(f"--signal=B:TERM@{CLEANUP_LEAD_S}")
+    for extra in extras:
         if "\n" in extra or not extra.startswith("-"):
             raise InputError(f"--sbatch-arg {extra!r} must be one sbatch option, e.g. --qos=high")
         directives.append(extra)
@@ -280,6 +301,10 @@ def render_sbatch(
             else f" --commit-timeout-s {cfg.recover.commit_timeout_s:g}"
         ),
         "NCCL_TIMEOUT_S": str(int(max(cfg.recover.watchdog_timeout_s or 600, cfg.recover.gate_timeout_s))),
+        # The script's end removes the run's node-memory snapshots on every node (forward recovery).
+        "CLEAN_SNAPSHOTS": "1" if cfg.recover.forward and cfg.recover.snapshot.interval else "0",
+        "CLEANUP_TIMEOUT_S": str(CLEANUP_TIMEOUT_S),
+        "STOP_WAIT_S": str(STOP_WAIT_S),
         "WANDB_ENV": _wandb_env(wandb),
         "CONFIG": shlex.quote(config_path),
         "OVERRIDES": " ".join(f"--set {shlex.quote(o)}" for o in overrides),
@@ -289,6 +314,21 @@ def render_sbatch(
     if missing:
         raise InputError(f"template has unknown placeholders: {', '.join('@' + m + '@' for m in missing)}")
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], text)
+
+
+def time_limit_s(time: str) -> int | None:
+    """Seconds of a Slurm ``--time`` (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S); None without a limit."""
+    if time in ("UNLIMITED", "INFINITE"):
+        return None
+    days, _, rest = time.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:  # D-H, D-H:M, D-H:M:S
+        h, m, sec = (parts + [0, 0])[:3]
+    elif len(parts) == 3:  # H:M:S
+        h, m, sec = parts
+    else:  # M, M:S
+        h, m, sec = 0, parts[0], (parts + [0])[1]
+    return ((int(days or 0) * 24 + h) * 60 + m) * 60 + sec
 
 
 def _check_spare_nodes(cfg: Config, spare_nodes: int) -> None:

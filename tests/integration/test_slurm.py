@@ -123,7 +123,13 @@ def test_gpu_script_directives_and_launch_line(tmp_path):
     assert "--map-by ppr:8:node" in script and "-n 512" in script
     assert "-m nanotron_recover.cli train --config configs/llama7b_c4.yaml" in script
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" in script and "TORCH_NCCL_BLOCKING_WAIT" in script
-    assert "srun" not in script.replace("not srun", ""), "ULFM needs mpirun, never srun"
+    # ULFM needs mpirun, never srun: srun starts only the node-memory snapshots' cleanup steps.
+    cleanup = script[
+        script.index("clean_snapshots() {") : script.index("\n}\n", script.index("clean_snapshots() {"))
+    ]
+    assert "srun --overlap" in cleanup and "${CLEAN[@]}" in cleanup
+    outside = [line for line in script.replace(cleanup, "").splitlines() if not line.lstrip().startswith("#")]
+    assert not [line for line in outside if "srun" in line], "ULFM needs mpirun, never srun"
     assert "MASTER_ADDR" not in script, "each replica's store address travels over MPI"
     assert "--oversubscribe" not in script and "NANOTRON_RECOVER_DEVICE=cpu" not in script
     assert not re.search(r"@[A-Z][A-Z0-9_]*@", script), "no placeholder left"
