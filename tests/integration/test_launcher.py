@@ -277,6 +277,34 @@ def test_launch_where_every_replica_dies_exits_1_and_says_so(tmp_path: Path, tp:
     assert "--mca mpi_ft_detector true" in result.stdout
 
 
+@pytest.mark.mpi
+def test_a_lost_job_with_no_relaunch_left_gives_its_node_memory_back(tmp_path: Path):
+    """Every replica SIGKILLed at step 3, after two steps snapshotted in node memory, and no
+    relaunch allowed: the ranks died without removing their snapshots, and no job will start from
+    them. ``launch`` removes them on its host once the supervisor is done, and says how much."""
+    run_dir, shm = tmp_path / "run", tmp_path / "node_memory"
+    sets = [
+        "tokens.train_steps=4",
+        "recover.enabled=true",
+        *HEARTBEAT,
+        "recover.max_restarts=0",
+        "recover.faults=[{step: 3, replica: 0}, {step: 3, replica: 1}]",
+        f"recover.snapshot.dir={shm}",
+    ]
+    args = ["launch", "--config", TINY, "--run-dir", str(run_dir)]
+    result = run_cli(args + [a for s in sets for a in ("--set", s)], timeout=300)
+
+    assert result.returncode == ExitCode.FAILED, result.output[-3000:]
+    outcome = read_outcome(run_dir)
+    assert (outcome["kind"], outcome["last_step"]) == ("all_replicas_lost", 2), outcome
+    assert "not relaunching: recover.max_restarts=0" in result.stderr
+    # Step 2's optimizer waited for step 1's snapshot: both ranks' slots existed when they died.
+    removed = [line for line in result.stderr.splitlines() if "node-memory snapshots of run" in line]
+    assert len(removed) == 1 and removed[0].startswith("nanotron-recover launch: "), result.stderr[-3000:]
+    assert " removed " in removed[0] and " bytes) of node-memory snapshots of run " in removed[0]
+    assert shm.is_dir() and [p for p in shm.rglob("*") if not p.is_dir()] == []
+
+
 # -- heartbeat flags ------------------------------------------------------------------------------
 DETECTOR = (
     "--mca mpi_ft_detector true --mca mpi_ft_detector_thread false "
