@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from nanotron_recover.logging import read_metrics
@@ -55,6 +56,17 @@ class ClusterJob:
                 )
             time.sleep(0.05)
         return self.committed()
+
+    def wait_until(self, condition: Callable[[], bool], what: str, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            state = self.cluster.job_state(self.id)
+            if time.monotonic() > deadline or state not in ("PENDING", "CONFIGURING", "RUNNING"):
+                self.cluster.run("scancel", self.id)
+                raise AssertionError(
+                    f"job {self.id} ({state}): no {what} after {timeout_s}s\n{self.log()[-4000:]}"
+                )
+            time.sleep(0.05)
 
     def ranks(self) -> list[dict]:
         deadline = time.monotonic() + 120

@@ -19,6 +19,8 @@ import time
 
 import pytest
 
+from nanotron_recover import fencing
+from nanotron_recover.commit_record import read_commit
 from nanotron_recover.logging import read_incidents, read_metrics
 from nanotron_recover.outcome import read_outcome
 from tests.helpers.cluster_job import ClusterJob
@@ -183,26 +185,48 @@ def test_two_nodes_lost_at_once(cluster, tmp_path, plain):
 
 def test_frozen_node(cluster, tmp_path, plain):
     """Every process of replica 1's node is stopped (a kernel hang): the heartbeat declares its rank
-    failed and the step is repaired forward; if Open MPI's runtime later gives up on the node's
-    daemon, the job is relaunched without it. Either way the run completes with the plain curve
-    and, once the node is thawed, nothing of the job is left on it."""
+    failed and the step is repaired forward, and the job is relaunched without the node once it
+    stops answering. The node is thawed while the job still trains -- its processes wake up inside
+    a newer generation (or, repaired forward only, as removed members) -- and write nothing: the
+    run completes with the plain curve, the outcome and the last commit are the newest job's, and
+    nothing of the job is left on the node."""
     job = ClusterJob(cluster, tmp_path, CONFIG, sets(), nodes=3, spares=0)
     victim = job.host_of(1)
     job.wait_for_step(3)
+    first = fencing.read_token(job.run_dir)
     cluster.freeze(victim)
     try:
-        log = job.finish()
+        job.wait_until(lambda: moved_on(job, first), "the job going on without the frozen node")
+        assert read_outcome(job.run_dir) is None, "the job ended before the node was thawed"
     finally:
         cluster.thaw(victim)
+    log = job.finish()
     incidents = read_incidents(job.run_dir)
     assert any(i["kind"] in ("hang", "node_lost") for i in incidents), incidents
     relaunched = [i for i in incidents if i["kind"] == "node_lost"]
     # Repaired in the step, replicas 0 and 2 go on; a relaunch numbers the replicas it runs 0, 1.
     replicas = relaunched[-1]["alive_replicas"] if relaunched else [0, 2]
     assert_trained_like_plain(job, plain, replicas)
+    last = fencing.read_token(job.run_dir)
+    assert read_outcome(job.run_dir)["token"] == last.as_record()
+    assert read_commit(job.run_dir).token == last and read_commit(job.run_dir).step == STEPS
     assert "nanotron-recover job:" in log or not relaunched
     assert job.leftovers(cluster.names) == {}
-    print(f"frozen {victim}: incidents {[(i['kind'], i['step']) for i in incidents]}")
+    print(
+        f"frozen {victim}: incidents {[(i['kind'], i['step']) for i in incidents]}, token {first} -> {last}"
+    )
+
+
+def moved_on(job: ClusterJob, first: fencing.Token) -> bool:
+    """A newer job (token) committed a step, or the repaired job committed two steps past the
+    hang's incident."""
+    record = read_commit(job.run_dir)
+    if record is None:
+        return False
+    if record.token is not None and record.token.generation > first.generation:
+        return True
+    hangs = [i for i in read_incidents(job.run_dir) if i["kind"] == "hang"]
+    return bool(hangs) and record.step >= hangs[0]["step"] + 2
 
 
 def test_cut_link(cluster, tmp_path, plain):
