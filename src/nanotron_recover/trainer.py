@@ -32,6 +32,7 @@ from . import fencing
 from .checkpoint import (
     CheckpointError,
     PendingSave,
+    checkpoints_root,
     find_resume_checkpoint,
     latest_step,
     lr_schedule_origin_at_start,
@@ -93,10 +94,7 @@ class DistributedTrainer:
         self._startup_lines = [kernels] if kernels is not None else []
         self.B = cfg.microbatches_per_step
         self.G = cfg.tokens.batch_accumulation_per_replica
-        ck = cfg.checkpoints
-        self.checkpoints_path = (
-            Path(ck.checkpoints_path) if ck.checkpoints_path else self.run_dir / "checkpoints"
-        )
+        self.checkpoints_path = checkpoints_root(cfg, self.run_dir)
         self._data = DataStages(cfg)
         self.target_step = cfg.tokens.train_steps
         # Bad input found now (a damaged checkpoint, a truncated corpus, another tokenizer's corpus)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from nanotron_recover.checkpoint import latest_step
 from nanotron_recover.generation import read_relaunch
 from nanotron_recover.hosts import HostPlan
 from nanotron_recover.logging import read_incidents, read_metrics
@@ -233,14 +234,22 @@ def kill_every_rank(job: BackgroundJob, after_step: int) -> tuple[int, list[int]
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("state", ["snapshot", "checkpoint"])
+@pytest.mark.parametrize("state", ["snapshot", "checkpoint", "newer_checkpoint"])
 def test_every_rank_killed_from_outside_is_relaunched_and_goes_on(tmp_path, plain, state):
     """``snapshot``: the relaunched job restores the newest step every coordinate holds in node
-    memory. ``checkpoint``: snapshots off, it resumes from the latest disk checkpoint instead."""
+    memory. ``checkpoint``: snapshots off, it resumes from the latest disk checkpoint instead.
+    ``newer_checkpoint``: snapshots every 4 steps, checkpoints every step: the disk holds a newer
+    step than node memory, and the relaunch resumes from it."""
     extra = ["recover.enabled=true", *HEARTBEAT, *layout(2, 1, 2, 4)]  # 2 replicas of tp=2: B=8
     if state == "checkpoint":
         extra += ["recover.snapshot.interval=0", "checkpoints.checkpoint_interval=2"]
+    if state == "newer_checkpoint":
+        extra += ["recover.snapshot.interval=4", "checkpoints.checkpoint_interval=1"]
     job = BackgroundJob(tmp_path, cli_args("launch", tmp_path, sets_for(tmp_path, extra)))
+    if state == "newer_checkpoint":
+        # Killed once step 5 is on disk, before step 8's snapshot: snapshot 4 < checkpoint 5..7.
+        saved = lambda: (latest_step(tmp_path / "checkpoints") or 0) >= 5  # noqa: E731
+        job.wait_until(saved, "the checkpoint of step 5")
     committed, pids = kill_every_rank(job, after_step=4)
     result = job.finish()
 
@@ -252,9 +261,11 @@ def test_every_rank_killed_from_outside_is_relaunched_and_goes_on(tmp_path, plai
     assert not any(process_exists(p) for p in pids)
     (incident,) = [i for i in read_incidents(tmp_path) if i["kind"] in ("job_lost", "node_lost")]
     assert incident["kind"] == "job_lost" and incident["generation"] == 1 and incident["hosts_lost"] == []
-    assert incident["state_from"] == state
+    assert incident["state_from"] == state.removeprefix("newer_")
     restored = incident["restored_step"]
-    if state == "snapshot":
+    if state == "newer_checkpoint":
+        assert 5 <= restored <= committed and restored < 8, (restored, committed)
+    elif state == "snapshot":
         # The kill may land before the newest commit's snapshot is published: one step older at most.
         assert committed - 1 <= restored <= committed
     else:

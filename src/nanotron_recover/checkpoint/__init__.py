@@ -40,7 +40,8 @@ One concept per module, each importing only those above it:
 ``async_save.py``  :class:`PendingSave` and the marker-file protocol of asynchronous saves
 ``save.py``        :func:`save_checkpoint`: prepare, stage, write, publish
 ``reader.py``      :class:`CheckpointReader`: verify and load a checkpoint of any layout
-``resume.py``      :func:`find_resume_checkpoint`, the learning-rate schedule's origin on resume
+``resume.py``      :func:`find_resume_checkpoint`, :func:`resume_step` (its step, cheaply), the
+                   learning-rate schedule's origin on resume
 =================  ================================================================================
 """
 
@@ -52,7 +53,13 @@ from .identity import IDENTITY_HEX_CHARS, run_identity
 from .meta import FORMAT_VERSION, canonical_stage, full_model_specs
 from .paths import LATEST, NEXT_LATEST, STEP_DIR, latest_step, resolve
 from .reader import CheckpointReader
-from .resume import find_resume_checkpoint, lr_schedule_origin_at_start, resumed_lr_schedule_origin
+from .resume import (
+    checkpoints_root,
+    find_resume_checkpoint,
+    lr_schedule_origin_at_start,
+    resume_step,
+    resumed_lr_schedule_origin,
+)
 from .save import DEFAULT_FINALIZE_TIMEOUT_S, save_checkpoint
 
 __all__ = [
@@ -69,11 +76,13 @@ __all__ = [
     "CheckpointTimeoutError",
     "PendingSave",
     "canonical_stage",
+    "checkpoints_root",
     "find_resume_checkpoint",
     "full_model_specs",
     "latest_step",
     "lr_schedule_origin_at_start",
     "resolve",
+    "resume_step",
     "resumed_lr_schedule_origin",
     "run_identity",
     "save_checkpoint",

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..config import Config
 from .errors import CheckpointError
 from .identity import run_identity
-from .paths import _find_step_dir
+from .paths import _find_step_dir, latest_step
 from .reader import CheckpointReader
 
 
@@ -80,3 +80,20 @@ def find_resume_checkpoint(
         reader.check_optimizer()
     reader.verify(rank)
     return reader
+
+
+def checkpoints_root(cfg: Config, run_dir: str | Path) -> Path:
+    """Where a run's checkpoints go: ``checkpoints.checkpoints_path``, else ``<run_dir>/checkpoints``."""
+    path = cfg.checkpoints.checkpoints_path
+    return Path(path) if path else Path(run_dir) / "checkpoints"
+
+
+def resume_step(cfg: Config, checkpoints_path: str | Path) -> int | None:
+    """The step :func:`find_resume_checkpoint` would resume from, read from ``latest`` and one
+    ``meta.json`` only (nothing is checked or loaded); None without a checkpoint, or when it cannot
+    be read (the full check reports why, if the run falls back to it)."""
+    explicit = cfg.checkpoints.resume_checkpoint_path
+    try:
+        return latest_step(explicit if explicit is not None else checkpoints_path)
+    except (CheckpointError, OSError):
+        return None

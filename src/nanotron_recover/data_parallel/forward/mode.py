@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ...checkpoint import checkpoints_root, resume_step
 from ...config import Config, launched_replicas
 from ...errors import StopRun
 from ...failures import Phase, classify
@@ -160,13 +161,14 @@ class ForwardRecovery:
         at_most = None if self.relaunch is None else self.relaunch.last_committed
         found = None
         if store is not None:
-            found = restore_from_snapshots(s.ftc, store, s.cfg.parallelism.replica_size, at_most)
+            disk = resume_step(s.cfg, checkpoints_root(s.cfg, s.run_dir))
+            found = restore_from_snapshots(s.ftc, store, s.cfg.parallelism.replica_size, at_most, disk)
         self.restored_at = time.time()
         if found is None:
             if s.ftc.rank == 0:
                 print(
-                    "[nanotron-recover] relaunched: no step is held by every coordinate in the nodes' "
-                    "snapshots; resuming from the latest disk checkpoint",
+                    "[nanotron-recover] relaunched: no newer step is held by every coordinate in the "
+                    "nodes' snapshots; resuming from the latest disk checkpoint",
                     flush=True,
                 )
             return None

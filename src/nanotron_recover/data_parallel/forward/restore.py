@@ -6,8 +6,8 @@ held the same state, so any replica's snapshot of a ``(pp, tp)`` coordinate will
 
 1. Each rank lists the steps its own node holds for its coordinate (``snapshots.py``).
 2. One allgather; every rank computes the same answer: the newest step that *every* coordinate
-   holds on some node of the new job (:func:`newest_common_step`). None: the run falls back to its
-   latest disk checkpoint, and says so.
+   holds on some node of the new job (:func:`newest_common_step`). None, or older than the disk
+   checkpoint the run would resume from: the run falls back to that checkpoint, and says so.
 3. Per coordinate, the replicas whose node holds that step load it locally; the others (new or
    spare nodes) receive it over the coordinate's DP communicator from a replica that has it, with
    the re-join's state transfer (``state_transfer.py``). A snapshot that cannot be read any more
@@ -53,12 +53,19 @@ def newest_common_step(holdings: list[tuple[int, list[int]]], coordinates: int) 
 
 
 def restore_from_snapshots(
-    ftc: object, snapshots: NodeSnapshots, coordinates: int, at_most: int | None = None
+    ftc: object,
+    snapshots: NodeSnapshots,
+    coordinates: int,
+    at_most: int | None = None,
+    disk_step: int | None = None,
 ) -> tuple[int, EngineState] | None:
     """Steps 1-3 above on every rank of the new job: the step restored and this rank's state, or
     None on every rank alike (use the disk checkpoint). ``at_most``: the last step the previous
     generation committed; a newer snapshot can only come from a process that was cut off from the
-    job and trained on alone, and is never used.
+    job and trained on alone, and is never used. ``disk_step``: the step of the disk checkpoint the
+    run would otherwise resume from, as this rank reads it; a snapshot older than the newest any
+    rank read is not used (the run resumes from the disk, which holds the newer state: snapshots
+    taken less often than checkpoints, or by fewer replicas), and one as new is preferred (local).
 
     A snapshot listed but not readable any more (removed in between, or damaged) counts as not
     held: the rank receives the state from another replica of its coordinate that did read it;
@@ -68,9 +75,18 @@ def restore_from_snapshots(
     mine = sorted({p.step for p in snapshots.available() if at_most is None or p.step <= at_most})
     if snapshots.refused is not None:
         print(f"[nanotron-recover] rank {ftc.rank}: warning: {snapshots.refused}", flush=True)
-    holdings = ftc.global_comm.allgather((ftc.local_rank, mine))
-    step = newest_common_step(holdings, coordinates)
+    gathered = ftc.global_comm.allgather((ftc.local_rank, mine, disk_step))
+    step = newest_common_step([(c, steps) for c, steps, _ in gathered], coordinates)
+    disk = max((d for _, _, d in gathered if d is not None), default=None)
     if step is None:
+        return None
+    if disk is not None and step < disk:
+        if ftc.rank == 0:
+            print(
+                f"[nanotron-recover] relaunched: the disk checkpoint of step {disk} is newer than the "
+                f"newest step the nodes' snapshots hold ({step})",
+                flush=True,
+            )
         return None
     state, error = None, None
     if step in mine:

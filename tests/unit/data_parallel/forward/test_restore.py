@@ -88,7 +88,11 @@ def job(tmp_path, monkeypatch):
         for step in (3, 4):
             store(rank).write(step, lambda s=step, c=rank % COORDINATES: state_of(s, c), asynchronous=False)
 
-    def run(at_most: int | None = None, broken: dict[tuple[int, int], Any] | None = None):
+    def run(
+        at_most: int | None = None,
+        broken: dict[tuple[int, int], Any] | None = None,
+        disk: dict[int, int | None] | None = None,
+    ):
         world = Group(COORDINATES * REPLICAS)
         dps = [Group(REPLICAS) for _ in range(COORDINATES)]
         ranks = [Rank(r, world, dps[r % COORDINATES]) for r in range(COORDINATES * REPLICAS)]
@@ -106,7 +110,8 @@ def job(tmp_path, monkeypatch):
 
                 snaps.load = damaged_load
             try:
-                results[ftc.rank] = restore_from_snapshots(ftc, snaps, COORDINATES, at_most)
+                disk_step = (disk or {}).get(ftc.rank)
+                results[ftc.rank] = restore_from_snapshots(ftc, snaps, COORDINATES, at_most, disk_step)
             except BaseException as error:  # noqa: BLE001 - reported to the test
                 results[ftc.rank] = error
 
@@ -147,6 +152,19 @@ def assert_restored(results: dict[int, Any], step: int) -> None:
 def test_every_rank_restores_the_newest_step_every_coordinate_holds(job):
     assert_restored(job(), 4)
     assert_restored(job(at_most=3), 3)  # never newer than the previous generation's last commit
+
+
+def test_a_disk_checkpoint_newer_than_every_snapshot_wins_on_every_rank(job, capsys):
+    """Snapshots taken less often than checkpoints (or by fewer replicas): the relaunch resumes from
+    the newer disk checkpoint. One rank's reading of it is enough for all (a rank that could not
+    read ``latest`` reads None), and a snapshot as new as the checkpoint is still preferred."""
+    everyone = range(COORDINATES * REPLICAS)
+    assert job(disk={2: 5}) == {rank: None for rank in everyone}
+    assert "the disk checkpoint of step 5 is newer than the newest step the nodes' snapshots hold (4)" in (
+        capsys.readouterr().out
+    )
+    assert_restored(job(disk=dict.fromkeys(everyone, 4)), 4)
+    assert_restored(job(disk=dict.fromkeys(everyone, 2)), 4)
 
 
 @pytest.mark.parametrize("damage", [vanish, damage_meta], ids=["removed", "damaged"])
