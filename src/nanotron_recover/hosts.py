@@ -1,16 +1,21 @@
 """The hosts a job may run on, which of them still answer, and the relaunch's ``mpirun`` line.
 
 Under Slurm the job's hosts are its allocation (``SLURM_JOB_NODELIST``; the job script asks for
-``--no-kill``, so the allocation outlives a lost node). A host answers when Slurm does not mark it
-down and a one-task step on it (``srun --overlap``) starts within a deadline. The hosts are
-probed at once. A lost node that Slurm does not yet mark down (that takes ``SlurmdTimeout``, often
-minutes) never answers, so the probe does not wait for it long: once some host answered, the
-others get ``PROBE_SLACK`` times as long as the slowest answer so far took (at least
-``PROBE_MIN_S``, at most ``PROBE_TIMEOUT_S`` in all). A busy controller slows every answer alike,
-and the wait grows with it.
+``--no-kill``, so the allocation outlives a lost node). A host answers when Slurm does not count
+it dead (:func:`dead_state`, one ``sinfo`` call for every host) and a one-task step on it
+(``srun --overlap``) starts. :meth:`HostPlan.answering` asks both; ``host_probe.py`` runs the
+steps: every host in parallel (``PROBE_WORKERS`` at a time), done as soon as every host has
+answered -- the probe's time is what the answers took, with no floor. A lost node that Slurm does
+not yet mark down (that takes ``SlurmdTimeout``, often minutes) never answers, so a try is not
+waited for long: one that fails, or that is still silent ``PROBE_SLACK`` times as long as the
+slowest answer so far, is retried once before its host counts as lost. A busy controller slows
+every answer alike, and the wait grows with it. Each ``srun`` is bounded by ``PROBE_TRY_S``, the
+whole probe by ``PROBE_TIMEOUT_S``. The supervisor starts the probe the moment a job ends
+(:class:`.host_probe.ProbeRun`), so that it overlaps the job's cleanup; a probe that raises
+counts as no host known lost.
 
-A relaunched ``mpirun`` is told the answering hosts with as many slots each as the job placed per
-node (``--host a:R,b:R``, ``R`` from ``--map-by ppr:R:node``), and ``plm_slurm_args --overlap``: the
+A relaunched job is told the answering hosts with as many slots each as the job placed per node
+(``--host a:R,b:R``, ``R`` from ``--map-by ppr:R:node``), and ``plm_slurm_args --overlap``: the
 previous job's step that started the runtime's daemons never ends (its lost node cannot confirm),
 and without ``--overlap`` the new daemons would wait for its resources forever. When the answering
 hosts hold fewer ranks than the job had, it is relaunched narrower (:func:`relaunch_ranks`): whole
@@ -25,16 +30,23 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-PROBE_TIMEOUT_S = 15.0
-PROBE_MIN_S = 2.0
-PROBE_SLACK = 4.0
-# sinfo's short states of a node that cannot run a job (a trailing * means "not responding").
-DEAD_STATES = ("down", "drain", "drng", "fail", "failg", "maint", "boot", "powered_down", "pow_dn")
+from .host_probe import PROBE_TIMEOUT_S, PROBE_TRY_S, probe_hosts, run_bounded
+
+# sinfo's short states (``%t``) of a node that a relaunch cannot use (Slurm's sinfo(1), NODE STATE
+# CODES): ``down``; ``drain`` is DRAINED (no job runs there, none will); ``fail``/``failg`` (an
+# administrator expects it to fail: a relaunch there would be lost again); a node powered down or
+# rebooting. ``drng`` is DRAINING: the node still runs the jobs it holds and takes no new ones --
+# this job holds it, and its steps (the relaunch is one) still start there, so it is not dead; the
+# probe decides. Suffixes: ``*`` not responding, ``~`` powered off, ``%`` powering down are dead;
+# the others (``-`` planned by the backfill scheduler, ``$`` maintenance reservation, ``@``
+# pending reboot, ``#`` powering up, ``!`` pending power down) leave it to the probe.
+DEAD_STATES = frozenset(
+    {"down", "drain", "fail", "failg", "boot", "reboot", "powered_down", "pow_dn", "inval"}
+)
+DEAD_SUFFIXES = ("*", "~", "%")
 
 
 @dataclass
@@ -47,70 +59,35 @@ class HostPlan:
         nodelist = os.environ.get("SLURM_JOB_NODELIST")
         if not nodelist or shutil.which("scontrol") is None:
             return None
-        try:
-            out = subprocess.run(
-                ["scontrol", "show", "hostnames", nodelist],
-                capture_output=True,
-                text=True,
-                timeout=PROBE_TIMEOUT_S,
-                check=True,
-            ).stdout
-        except (OSError, subprocess.SubprocessError):
-            return None
-        hosts = out.split()
+        code, out = run_bounded(["scontrol", "show", "hostnames", nodelist], PROBE_TIMEOUT_S)
+        hosts = out.split() if code == 0 else []
         return cls(hosts) if hosts else None
 
     def answering(self) -> list[str]:
-        """The hosts Slurm does not mark down and that start a probe step within the deadline."""
+        """The hosts Slurm does not count dead and that start a probe step (:func:`probe_hosts`),
+        in the plan's order; within ``PROBE_TIMEOUT_S`` in all."""
+        start = time.monotonic()
         states = self._states()
-        alive = [h for h in self.hosts if not _dead(states.get(h, ""))]
-        if not alive:
-            return []
-        ok: set[str] = set()
-        pool = ThreadPoolExecutor(max_workers=min(32, len(alive)))
-        try:
-            pending = {pool.submit(self._probe, h): h for h in alive}
-            start = time.monotonic()
-            limit = start + PROBE_TIMEOUT_S
-            deadline = limit
-            while pending and time.monotonic() < deadline:
-                done, _ = wait(pending, timeout=deadline - time.monotonic(), return_when=FIRST_COMPLETED)
-                for future in done:
-                    if future.result():
-                        ok.add(pending[future])
-                        # The slowest answer so far sets how long the rest may take.
-                        took = time.monotonic() - start
-                        deadline = min(limit, start + max(PROBE_MIN_S, PROBE_SLACK * took))
-                    del pending[future]
-        finally:
-            # A probe of a lost host ends at its own timeout, in the background.
-            pool.shutdown(wait=False, cancel_futures=True)
-        return [h for h in alive if h in ok]
+        alive = [h for h in self.hosts if not dead_state(states.get(h, ""))]
+        left = PROBE_TIMEOUT_S - (time.monotonic() - start)
+        return probe_hosts(alive, self._probe, cap_s=left) if alive and left > 0 else []
 
     def _states(self) -> dict[str, str]:
-        try:
-            out = subprocess.run(
-                ["sinfo", "-h", "-N", "-n", ",".join(self.hosts), "-o", "%N %t"],
-                capture_output=True,
-                text=True,
-                timeout=PROBE_TIMEOUT_S,
-            ).stdout
-        except (OSError, subprocess.SubprocessError):
-            return {}
+        """Every host's short state, in one ``sinfo`` call; empty when sinfo does not answer."""
+        cmd = ["sinfo", "-h", "-N", "-n", ",".join(self.hosts), "-o", "%N %t"]
+        _, out = run_bounded(cmd, PROBE_TRY_S)
         return dict(line.split()[:2] for line in out.splitlines() if len(line.split()) >= 2)
 
     @staticmethod
     def _probe(host: str) -> bool:
         cmd = ["srun", "--overlap", "-N", "1", "-n", "1", "-w", host, "--time", "1", "true"]
-        try:
-            return subprocess.run(cmd, capture_output=True, timeout=PROBE_TIMEOUT_S).returncode == 0
-        except (OSError, subprocess.SubprocessError):
-            return False
+        return run_bounded(cmd, PROBE_TRY_S, output=False)[0] == 0
 
 
-def _dead(state: str) -> bool:
+def dead_state(state: str) -> bool:
+    """Whether a node in sinfo short state ``state`` cannot take a relaunch (see DEAD_STATES)."""
     state = state.lower()
-    return state.endswith("*") or any(state.startswith(d) for d in DEAD_STATES)
+    return state.endswith(DEAD_SUFFIXES) or state.rstrip("*~#!%$@^-+") in DEAD_STATES
 
 
 def slots_per_host(cmd: list[str]) -> int:

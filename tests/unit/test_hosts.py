@@ -1,15 +1,20 @@
-"""The relaunch's host plan: which hosts answer (probed at once), and the mpirun line restricted to
-them, with the job's slots per node and, when they hold fewer, fewer whole replicas."""
+"""The relaunch's host plan: which hosts answer (probed in parallel, measured, retried, bounded),
+and the mpirun line restricted to them, with the job's slots per node and, when they hold
+fewer, fewer whole replicas."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
+from nanotron_recover import host_probe
 from nanotron_recover import hosts as hosts_module
+from nanotron_recover.host_probe import ProbeRun, probe_hosts, run_bounded
 from nanotron_recover.hosts import (
     HostPlan,
+    dead_state,
     ranks_of,
     relaunch_command,
     relaunch_ranks,
@@ -68,12 +73,13 @@ def test_hosts_marked_down_are_not_probed_and_the_others_are_probed_at_once(monk
 
     def probe(host: str) -> bool:
         probed.append(host)
-        both_waiting.wait()  # breaks (and fails the test) unless the two probes run together
+        if len(probed) <= 2:
+            both_waiting.wait()  # breaks (and fails the test) unless the two probes run together
         return host == "a"
 
     monkeypatch.setattr(HostPlan, "_probe", staticmethod(probe))
     assert plan.answering() == ["a"]
-    assert sorted(probed) == ["a", "d"]
+    assert sorted(probed) == ["a", "d", "d"]  # d failed, was probed once more, and is lost
 
 
 def test_no_host_left_means_no_probe(monkeypatch):
@@ -89,7 +95,6 @@ def test_a_host_that_does_not_answer_is_not_waited_for_long(monkeypatch):
     stops waiting for it a few answer-times later and counts it lost."""
     plan = HostPlan(["a", "b", "lost"])
     monkeypatch.setattr(plan, "_states", lambda: {})
-    monkeypatch.setattr(hosts_module, "PROBE_MIN_S", 0.2)
     released = threading.Event()
 
     def probe(host: str) -> bool:
@@ -104,3 +109,160 @@ def test_a_host_that_does_not_answer_is_not_waited_for_long(monkeypatch):
         assert not released.is_set()  # returned while the lost host's probe was still waiting
     finally:
         released.set()
+
+
+# -- the probe ----------------------------------------------------------------------------------
+def plan_of(monkeypatch, hosts: list[str], probe, states: dict[str, str] | None = None) -> HostPlan:
+    plan = HostPlan(hosts)
+    monkeypatch.setattr(plan, "_states", lambda: dict(states or {}))
+    monkeypatch.setattr(HostPlan, "_probe", staticmethod(probe))
+    return plan
+
+
+def timed(fn):
+    start = time.monotonic()
+    out = fn()
+    return out, time.monotonic() - start
+
+
+def test_512_hosts_are_probed_in_parallel_well_under_the_cap(monkeypatch):
+    """512 hosts answering in 0.2 s each: 102 s one after the other, about 1.6 s with 64 probes in
+    flight, far below the 15 s cap; every host answers."""
+    lock = threading.Lock()
+    running, most = [0], [0]
+
+    def probe(host: str) -> bool:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        return True
+
+    plan = plan_of(monkeypatch, [f"n{i:03d}" for i in range(512)], probe)
+    answer, took = timed(plan.answering)
+    print(f"512 hosts x 0.2 s: probe {took:.2f} s, {most[0]} in flight at most")
+    assert answer == plan.hosts
+    assert most[0] == host_probe.PROBE_WORKERS  # bounded, and used
+    assert took < host_probe.PROBE_TIMEOUT_S / 3, took
+
+
+def test_the_probe_takes_what_the_answers_take_with_no_floor(monkeypatch):
+    """Every host answers in 0.05 s: the probe takes about that. One host silent besides: it is
+    tried twice, each try given 4x the slowest answer, and counted lost in about half a second --
+    not after a 2 s floor."""
+
+    def probe(host: str) -> bool:
+        if host == "lost":
+            time.sleep(3)  # a powered-off node: no answer
+            return False
+        time.sleep(0.05)
+        return True
+
+    plan = plan_of(monkeypatch, ["a", "b", "c"], probe)
+    (answer, probe_s), _ = timed(ProbeRun(plan, log=pytest.fail).answer)
+    print(f"3 hosts x 0.05 s: probe_s {probe_s:.3f} s")
+    assert answer == ["a", "b", "c"] and 0.05 <= probe_s < 0.5
+
+    plan = plan_of(monkeypatch, ["a", "b", "lost", "c"], probe)
+    (answer, probe_s), _ = timed(ProbeRun(plan, log=pytest.fail).answer)
+    print(f"3 hosts x 0.05 s and a silent one: probe_s {probe_s:.3f} s")
+    assert answer == ["a", "b", "c"] and probe_s < 1.5
+
+
+def test_a_host_that_fails_once_is_retried_and_one_that_fails_twice_is_lost(monkeypatch):
+    calls: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def probe(host: str) -> bool:
+        with lock:
+            calls[host] = calls.get(host, 0) + 1
+            n = calls[host]
+        time.sleep(0.02)
+        return host == "ok" or (host == "flaky" and n == 2)
+
+    plan = plan_of(monkeypatch, ["ok", "flaky", "bad"], probe)
+    assert plan.answering() == ["ok", "flaky"]
+    assert calls == {"ok": 1, "flaky": 2, "bad": 2}
+
+
+def test_a_slow_host_whose_first_try_answers_late_still_answers(monkeypatch):
+    """``slow`` is silent past 4x the others' answer: it is probed again, and the first try's
+    late answer counts."""
+    calls: list[str] = []
+
+    def probe(host: str) -> bool:
+        calls.append(host)
+        if host == "slow" and calls.count("slow") == 1:
+            time.sleep(0.4)  # past 4 x 0.08 s: retried; answers before the retry's own window ends
+            return True
+        if host == "slow":
+            time.sleep(3)
+            return False
+        time.sleep(0.08)
+        return True
+
+    plan = plan_of(monkeypatch, ["a", "slow", "b"], probe)
+    answer, took = timed(plan.answering)
+    assert answer == ["a", "slow", "b"] and calls.count("slow") == 2 and took < 1.5
+
+
+def test_draining_nodes_still_hold_the_job_drained_down_and_failed_ones_do_not(monkeypatch):
+    """sinfo's ``drng`` (DRAINING: the node runs the jobs it holds, takes no new ones) is probed;
+    ``drain`` (DRAINED), ``down``, ``fail``, not responding (``*``) and powered off (``~``) are not."""
+    states = {"a": "drng", "b": "drain", "c": "mix-", "d": "down*", "e": "fail", "f": "drng*"}
+    states |= {"g": "idle~", "h": "alloc", "i": "maint", "j": "failg", "k": "alloc$"}
+    probed: list[str] = []
+
+    def probe(host: str) -> bool:
+        probed.append(host)
+        return True
+
+    plan = plan_of(monkeypatch, sorted(states), probe, states)
+    assert plan.answering() == ["a", "c", "h", "i", "k"]
+    assert sorted(probed) == ["a", "c", "h", "i", "k"]
+    assert not dead_state("") and not dead_state("DRNG") and dead_state("DRAIN") and dead_state("down")
+
+
+def test_a_probe_that_raises_counts_as_no_host_known_lost(monkeypatch):
+    def probe(host: str) -> bool:
+        if host == "b":
+            raise RuntimeError("srun output not understood")
+        return True
+
+    plan = plan_of(monkeypatch, ["a", "b", "c"], probe)
+    with pytest.raises(RuntimeError):
+        plan.answering()
+    lines: list[str] = []
+    answer, _ = ProbeRun(plan, lines.append).answer()
+    assert answer == ["a", "b", "c"]
+    assert lines == [
+        "probing the hosts failed (RuntimeError: srun output not understood): no host counted lost"
+    ]
+
+
+def test_a_probe_that_does_not_end_counts_as_no_host_known_lost(monkeypatch):
+    release = threading.Event()
+    plan = plan_of(monkeypatch, ["a", "b"], lambda host: True)
+    monkeypatch.setattr(plan, "answering", lambda: release.wait(10) and [])
+    lines: list[str] = []
+    try:
+        (answer, probe_s), took = timed(lambda: ProbeRun(plan, lines.append).answer(limit_s=0.2))
+    finally:
+        release.set()
+    assert answer == ["a", "b"] and took < 2.0 and probe_s >= 0.2
+    assert lines == ["probing the hosts did not end within 0.2s: no host counted lost"]
+
+
+def test_probes_are_bounded_by_the_cap(monkeypatch):
+    """No host answers and every try hangs: the probe gives up at its cap."""
+    (answer, took) = timed(lambda: probe_hosts(["a", "b"], lambda h: time.sleep(3) or True, cap_s=0.3))
+    assert answer == [] and took < 1.5
+
+
+def test_a_command_is_run_with_a_bound():
+    assert run_bounded(["sh", "-c", "echo hi"], 10) == (0, "hi\n")
+    assert run_bounded(["/nonexistent/command"], 10) == (None, "")
+    result, took = timed(lambda: run_bounded(["sleep", "30"], 0.2))
+    assert result == (None, "") and took < 3.0
