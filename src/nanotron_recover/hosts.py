@@ -1,4 +1,4 @@
-"""The hosts a job may run on, which of them still answer, and the relaunch's ``mpirun`` line.
+"""The hosts a job may run on, which of them still answer, and the relaunch's launcher line.
 
 Under Slurm the job's hosts are its allocation (``SLURM_JOB_NODELIST``; the job script asks for
 ``--no-kill``, so the allocation outlives a lost node). A host answers when Slurm does not count
@@ -19,7 +19,10 @@ A relaunched job is told the answering hosts with as many slots each as the job 
 previous job's step that started the runtime's daemons never ends (its lost node cannot confirm),
 and without ``--overlap`` the new daemons would wait for its resources forever. When the answering
 hosts hold fewer ranks than the job had, it is relaunched narrower (:func:`relaunch_ranks`): whole
-replicas only, the same ``B`` shared by fewer.
+replicas only, the same ``B`` shared by fewer. The line is rewritten when it runs one of Open
+MPI's launchers (``mpirun``, ``mpiexec``, ``prterun``, ``orterun``, by basename, also behind
+``env VAR=...`` or ``timeout N``: :func:`launcher_at`); any other command cannot be restricted to
+the answering hosts, and the supervisor says so.
 
 Outside Slurm (one host, or ``mpirun`` with a hostfile) there is nothing to probe: the job is
 relaunched as it was.
@@ -47,6 +50,7 @@ DEAD_STATES = frozenset(
     {"down", "drain", "fail", "failg", "boot", "reboot", "powered_down", "pow_dn", "inval"}
 )
 DEAD_SUFFIXES = ("*", "~", "%")
+LAUNCHERS = ("mpirun", "mpiexec", "prterun", "orterun")  # Open MPI's (ORTE and PRRTE) launchers
 
 
 @dataclass
@@ -117,32 +121,91 @@ def relaunch_ranks(cmd: list[str], hosts: list[str], replica_size: int) -> int:
     return fit if before is None else min(before, fit)
 
 
+def launcher_at(cmd: list[str]) -> int | None:
+    """Where in ``cmd`` Open MPI's launcher is (:data:`LAUNCHERS` by basename, or
+    ``<launcher>.openmpi``), past ``env`` and ``timeout`` wrappers; None when it runs none."""
+    i: int | None = 0
+    while i is not None and i < len(cmd):
+        name = os.path.basename(cmd[i])
+        if name in LAUNCHERS or (name.endswith(".openmpi") and name[: -len(".openmpi")] in LAUNCHERS):
+            return i
+        if name == "env":
+            i = _past_env(cmd, i + 1)
+        elif name == "timeout":
+            i = _past_timeout(cmd, i + 1)
+        else:
+            return None
+    return None
+
+
+_NAME_VALUE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def _past_env(cmd: list[str], i: int) -> int | None:
+    """The index of the command ``env`` runs (its options and NAME=VALUE skipped), or None."""
+    while i < len(cmd):
+        a = cmd[i]
+        if a in ("-i", "--ignore-environment", "-0", "--null", "-v", "--debug", "-", "--"):
+            i += 1
+        elif a in ("-u", "--unset", "-C", "--chdir"):
+            i += 2
+        elif a.startswith(("--unset=", "--chdir=")) or (a[:2] in ("-u", "-C") and len(a) > 2):
+            i += 1
+        elif _NAME_VALUE.match(a):
+            i += 1
+        elif a.startswith("-"):
+            return None  # -S (a split string) and anything else: not rewritten
+        else:
+            return i
+    return None
+
+
+def _past_timeout(cmd: list[str], i: int) -> int | None:
+    """The index of the command ``timeout`` runs (its options and duration skipped), or None."""
+    while i < len(cmd):
+        a = cmd[i]
+        if a in ("--preserve-status", "--foreground", "-v", "--verbose"):
+            i += 1
+        elif a in ("-k", "-s", "--kill-after", "--signal"):
+            i += 2
+        elif a.startswith(("--kill-after=", "--signal=")) or (a[:2] in ("-k", "-s") and len(a) > 2):
+            i += 1
+        elif re.fullmatch(r"\d+(\.\d*)?[smhd]?", a):
+            return i + 1
+        else:
+            return None
+    return None
+
+
 def relaunch_command(cmd: list[str], hosts: list[str], ranks: int | None = None) -> list[str]:
-    """``cmd`` (an ``mpirun`` line) restricted to ``hosts`` (as many slots on each as ``cmd``
-    placed per node) and, when given, to ``ranks`` ranks; with the overlap a relaunch inside the
-    same Slurm allocation needs."""
-    if not cmd or not os.path.basename(cmd[0]).startswith("mpirun"):
+    """``cmd`` (an Open MPI launcher's line, :func:`launcher_at`) restricted to ``hosts`` (as many
+    slots on each as ``cmd`` placed per node) and, when given, to ``ranks`` ranks; with the overlap
+    a relaunch inside the same Slurm allocation needs. Any other command comes back as it was."""
+    at = launcher_at(cmd)
+    if at is None:
         return cmd
     slots = slots_per_host(cmd)
     extra = ["--host", ",".join(f"{h}:{slots}" for h in hosts), "--prtemca", "plm_slurm_args", "--overlap"]
-    rest = _without_host(cmd[1:])
+    rest = _without_host(cmd[at + 1 :])
     if ranks is not None:
         for i, a in enumerate(rest[:-1]):
             if a in ("-n", "-np", "--np"):
                 rest = [*rest[: i + 1], str(ranks), *rest[i + 2 :]]
                 break
-    return [cmd[0], *extra, *rest]
+    return [*cmd[: at + 1], *extra, *rest]
 
 
 def _without_host(args: list[str]) -> list[str]:
-    """An earlier relaunch's host restriction does not carry over to the next one."""
+    """An earlier relaunch's (or the job's own) host restriction does not carry over."""
     out, skip = [], 0
     for i, a in enumerate(args):
         if skip:
             skip -= 1
             continue
-        if a == "--host":
+        if a in ("--host", "-host", "-H"):
             skip = 1
+            continue
+        if a.startswith("--host="):
             continue
         if a == "--prtemca" and args[i + 1 : i + 2] == ["plm_slurm_args"]:
             skip = 2

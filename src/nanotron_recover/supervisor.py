@@ -41,7 +41,8 @@ supervisor ends a job that has committed nothing for a bound derived from its me
 relaunches it like a lost one (incident kind ``stalled``): no stuck member can hold the job. And
 a job whose lost ranks' host no longer answers a probe (a frozen or cut-off node) is ended and
 relaunched without that host at once (``lost_hosts.py``), not when Open MPI's runtime gives up on
-the node tens of seconds later.
+the node tens of seconds later. A command that is not one of Open MPI's launchers cannot be
+restricted to the answering hosts: the supervisor says so once and relaunches it as it was.
 
 ``python -m nanotron_recover.supervisor supervise --run-dir D [--relaunches N] -- CMD...`` runs
 the supervisor around any command; the Slurm job script uses it that way.
@@ -67,7 +68,7 @@ from .commit_record import read_commit
 from .errors import ExitCode
 from .failures import Kind
 from .generation import Relaunch, clear_relaunch, write_relaunch
-from .hosts import HostPlan, relaunch_command, relaunch_ranks
+from .hosts import LAUNCHERS, HostPlan, launcher_at, relaunch_command, relaunch_ranks
 from .logging.metrics import read_metrics
 from .lost_hosts import LostHostWatch
 from .outcome import (
@@ -466,6 +467,7 @@ def run_relaunching(
     lost_before: list[str] = []
     retried_start = False  # the last launch was a retried start (which is not retried again)
     start_s: float | None = None  # the last measured start: a relaunch's own start is bounded by it
+    said_unrestricted = False  # a command that cannot be restricted to the answering hosts: said once
     deadline = deadline or DeadlineArgs()
     env = dict(os.environ if env is None else env)
     while True:
@@ -527,6 +529,7 @@ def run_relaunching(
         lost_before = lost
         width = ""
         launch_cmd = cmd  # every host answers: full width again, whatever the last launch had
+        placed = answering  # where the new job runs, for the record (empty: as before)
         if lost:
             ranks = relaunch_ranks(cmd, answering, replica_size)
             if ranks < max(1, min_replicas) * replica_size:
@@ -535,8 +538,18 @@ def run_relaunching(
                     f"hold {ranks // replica_size} replica(s), below recover.min_replicas={min_replicas}"
                 )
                 return report(result, run_dir, target_step=target_step, log=log)
-            launch_cmd = relaunch_command(cmd, answering, ranks)
-            width = f", {ranks // replica_size} replica(s) on {', '.join(answering)}"
+            if launcher_at(cmd) is not None:
+                launch_cmd = relaunch_command(cmd, answering, ranks)
+                width = f", {ranks // replica_size} replica(s) on {', '.join(answering)}"
+            else:
+                placed = []
+                if not said_unrestricted:
+                    said_unrestricted = True
+                    log(
+                        f"cannot restrict the relaunch to the hosts that answer: {cmd[0]} is not one "
+                        f"of Open MPI's launchers ({', '.join(LAUNCHERS)}): relaunched as it was, lost "
+                        "hosts included"
+                    )
         generation += 1
         cause = (
             Kind.NODE_LOST
@@ -548,9 +561,7 @@ def run_relaunching(
             else Kind.JOB_LOST
         )
         cleanup_s = max(0.0, probe_start - ended_at)
-        relaunch = Relaunch(
-            generation, cause, ended_at, after, lost, answering, cleanup_s, probe_s, time.time()
-        )
+        relaunch = Relaunch(generation, cause, ended_at, after, lost, placed, cleanup_s, probe_s, time.time())
         write_relaunch(run_dir, relaunch)
         what = f"hosts {', '.join(lost)} lost" if lost else "every replica lost"
         if result.stalled is not None and not lost:

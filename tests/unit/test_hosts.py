@@ -1,5 +1,5 @@
 """The relaunch's host plan: which hosts answer (probed in parallel, measured, retried, bounded),
-and the mpirun line restricted to them, with the job's slots per node and, when they hold
+and the launcher's line restricted to them, with the job's slots per node and, when they hold
 fewer, fewer whole replicas."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from nanotron_recover.host_probe import ProbeRun, probe_hosts, run_bounded
 from nanotron_recover.hosts import (
     HostPlan,
     dead_state,
+    launcher_at,
     ranks_of,
     relaunch_command,
     relaunch_ranks,
@@ -109,6 +110,69 @@ def test_a_host_that_does_not_answer_is_not_waited_for_long(monkeypatch):
         assert not released.is_set()  # returned while the lost host's probe was still waiting
     finally:
         released.set()
+
+
+# -- the launcher's line ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        ["mpiexec"],
+        ["prterun"],
+        ["orterun"],
+        ["/opt/ompi/bin/mpiexec"],
+        ["mpirun.openmpi"],
+        ["env", "OMP_NUM_THREADS=1", "X=a=b", "mpiexec"],
+        ["timeout", "600", "mpirun"],
+        [
+            "timeout",
+            "-s",
+            "KILL",
+            "-k",
+            "5",
+            "10m",
+            "/usr/bin/env",
+            "-u",
+            "X",
+            "A=1",
+            "/opt/ompi/bin/prterun",
+        ],
+    ],
+)
+def test_every_open_mpi_launcher_is_restricted_to_the_answering_hosts(prefix):
+    """By basename, also behind ``env VAR=...`` and ``timeout N``: the wrappers stay as they were."""
+    job = [*prefix, "-n", "4", "--map-by", "ppr:2:node", "python", "train.py"]
+    at = len(prefix) - 1
+    assert launcher_at(job) == at
+    out = relaunch_command(job, ["a", "c"], ranks=2)
+    assert out[: at + 1] == prefix
+    assert out[at + 1 : at + 6] == ["--host", "a:2,c:2", "--prtemca", "plm_slurm_args", "--overlap"]
+    assert out[at + 6 :] == ["-n", "2", "--map-by", "ppr:2:node", "python", "train.py"]
+
+
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        ["python", "train.py"],
+        ["srun", "-n", "2", "prog"],
+        ["env", "-S", "mpirun -n 2", "prog"],  # a split string: not parsed
+        ["timeout", "mpirun", "-n", "2"],  # no duration: not timeout's line
+        ["nice", "mpirun", "-n", "2"],
+        ["mpiexec.hydra", "-n", "2", "prog"],  # MPICH's
+        ["env", "A=1"],
+    ],
+)
+def test_a_command_without_an_open_mpi_launcher_is_not_rewritten(cmd):
+    assert launcher_at(cmd) is None
+    assert relaunch_command(cmd, ["a"], ranks=1) == cmd
+
+
+def test_the_jobs_own_host_list_does_not_survive_a_relaunch():
+    job = ["mpirun", "-H", "a,b,c", "--host=a,b,c", "-host", "a,b,c", "-n", "3", "prog"]
+    assert relaunch_command(job, ["a", "c"]) == [
+        "mpirun",
+        *["--host", "a:1,c:1", "--prtemca", "plm_slurm_args", "--overlap"],
+        *["-n", "3", "prog"],
+    ]
 
 
 # -- the probe ----------------------------------------------------------------------------------

@@ -1,18 +1,22 @@
-"""The supervisor's rule for a job that lost every replica (``supervisor.py``): exit 1, and an
-outcome record that says so (kind ``all_replicas_lost``, the last committed step), whether a rank
-outlived the replicas and wrote it or nobody was left and the supervisor writes it; such a job is
-relaunched like one without a record. Fake jobs (a Python script standing in for ``mpirun``), no MPI.
+"""The supervisor's rule for a job that lost every replica (``supervisor.py``): exit 1, and an outcome
+record that says so (kind ``all_replicas_lost``, the last committed step), whether a rank outlived
+the replicas and wrote it or nobody was left and the supervisor writes it; such a job is relaunched
+like one without a record. A command it cannot restrict to the answering hosts is said once. Fake
+jobs (a Python script standing in for ``mpirun``), no MPI.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from nanotron_recover.errors import ExitCode
+from nanotron_recover.generation import read_relaunch
+from nanotron_recover.hosts import HostPlan
 from nanotron_recover.outcome import read_outcome
 from nanotron_recover.supervisor import run_relaunching, supervise
 
@@ -121,3 +125,50 @@ def test_a_lost_job_record_written_by_the_supervisor_is_valid_json_with_every_ke
         "token",
     }
     assert (record["last_step"], record["target_step"], record["exit_code"]) == (0, None, 1)
+
+
+# -- the relaunch's edges ---------------------------------------------------------------------------
+class Hosts(HostPlan):
+    """The allocation's hosts; every probe answers ``answer`` after ``delay_s`` (or raises)."""
+
+    def __init__(self, hosts: list[str], answer: list[str] | None = None, delay_s: float = 0.0, error=None):
+        super().__init__(hosts)
+        self.answer = list(hosts) if answer is None else answer
+        self.delay_s, self.error, self.probes = delay_s, error, 0
+
+    def answering(self) -> list[str]:
+        self.probes += 1
+        time.sleep(self.delay_s)
+        if self.error is not None:
+            raise self.error
+        return list(self.answer)
+
+
+LOST_THEN_DONE = (
+    "if n == 1:\n    commit(1)\n"  # lost after step 1, no record
+    "else:\n    commit(2); record('completed', 2, None, 0, target_step=2)\n"
+)
+
+
+def relaunch(tmp_path: Path, body: str, hosts: HostPlan, relaunches: int = 2) -> int:
+    return run_relaunching(
+        fake_job(tmp_path, body),
+        tmp_path / "run",
+        grace_s=1.0,
+        relaunches=relaunches,
+        hosts=hosts,
+        timeout_s=120,
+    )
+
+
+def test_a_command_that_cannot_be_restricted_to_the_answering_hosts_is_said_once(tmp_path, capfd):
+    """A job not started by an Open MPI launcher (here, Python itself) is relaunched as it was,
+    twice, with host b lost: said once, not silently."""
+    body = "commit(n)\nif n == 3:\n    record('completed', 3, None, 0, target_step=3)\n"
+    assert relaunch(tmp_path, body, Hosts(["a", "b"], answer=["a"]), relaunches=3) == 0
+    assert launches(tmp_path) == 3
+    err = capfd.readouterr().err
+    assert err.count("cannot restrict the relaunch to the hosts that answer") == 1
+    assert f"{sys.executable} is not one of Open MPI's launchers (mpirun, mpiexec, prterun, orterun)" in err
+    record = read_relaunch(tmp_path / "run")
+    assert record is not None and record.hosts_lost == ["b"] and record.hosts == []  # as before
