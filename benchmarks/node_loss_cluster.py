@@ -9,7 +9,8 @@ records and the power-off time:
 
 - ``detect_s``: power off to ``mpirun``'s exit (Open MPI's runtime finds the lost daemon and ends
   the job);
-- ``cleanup_s``, ``probe_s``: the supervisor ends what is left and asks which nodes answer;
+- ``cleanup_s``, ``probe_s``: the supervisor ends what is left and asks which nodes answer (at the
+  same time: the probe starts when the job ends, so the two overlap);
 - ``start_s``: the new ``mpirun`` to the state restored (snapshots: loaded on the nodes that kept
   them, sent over MPI to the spare) or the disk checkpoint chosen;
 - ``first_step_s``: from there to the first commit (model built, state adopted, one step);

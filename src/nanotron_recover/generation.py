@@ -28,8 +28,8 @@ class Relaunch:
     last_committed: int  # the last step the previous generation committed
     hosts_lost: list[str] = field(default_factory=list)
     hosts: list[str] = field(default_factory=list)  # where the new job runs (empty: as before)
-    cleanup_s: float = 0.0  # from the previous job's end to the hosts' probe (its leftovers ended)
-    probe_s: float = 0.0  # asking which hosts still answer
+    cleanup_s: float = 0.0  # from the previous job's end to its leftovers ended
+    probe_s: float = 0.0  # asking which hosts still answer (started at that end: overlaps cleanup_s)
     launched_at: float = 0.0  # wall clock when the new job was started
 
 

@@ -25,8 +25,9 @@ it loses a node's daemon (power, a cut link, a node rebooted): every healthy rep
 and the job ends without an outcome record. So does a job whose every replica was lost (or its
 record says ``all_replicas_lost``: a rank outlived them). Then the
 supervisor relaunches the job inside the same allocation, on the hosts that still answer
-(:mod:`.hosts`), as generation ``n+1`` (:mod:`.generation`); the new job starts from the replicas'
-node-memory snapshots (``data_parallel/forward/restore.py``) or, without them, from the latest disk
+(:mod:`.hosts`; the probe starts the moment the job ends and runs while what is left of it is
+ended, :mod:`.host_probe`), as generation ``n+1`` (:mod:`.generation`); the new job starts from the
+replicas' node-memory snapshots (``data_parallel/forward/restore.py``) or, without them, from the latest disk
 checkpoint. When the answering hosts cannot hold every replica (a node lost and no spare), the job
 is relaunched with the whole replicas that fit, down to ``recover.min_replicas``; the same ``B`` is
 shared by fewer replicas, as after an in-step repair. A relaunch happens only after the previous job committed a new step (a job that dies
@@ -41,8 +42,10 @@ supervisor ends a job that has committed nothing for a bound derived from its me
 relaunches it like a lost one (incident kind ``stalled``): no stuck member can hold the job. And
 a job whose lost ranks' host no longer answers a probe (a frozen or cut-off node) is ended and
 relaunched without that host at once (``lost_hosts.py``), not when Open MPI's runtime gives up on
-the node tens of seconds later. A command that is not one of Open MPI's launchers cannot be
-restricted to the answering hosts: the supervisor says so once and relaunches it as it was.
+the node tens of seconds later. A probe that fails after the job ended (an unexpected exception)
+is said in one line and counts as no host known lost: the job is relaunched as before. A command
+that is not one of Open MPI's launchers cannot be restricted to the answering hosts: the
+supervisor says so once and relaunches it as it was.
 
 ``python -m nanotron_recover.supervisor supervise --run-dir D [--relaunches N] -- CMD...`` runs
 the supervisor around any command; the Slurm job script uses it that way.
@@ -68,6 +71,7 @@ from .commit_record import read_commit
 from .errors import ExitCode
 from .failures import Kind
 from .generation import Relaunch, clear_relaunch, write_relaunch
+from .host_probe import ProbeRun
 from .hosts import LAUNCHERS, HostPlan, launcher_at, relaunch_command, relaunch_ranks
 from .logging.metrics import read_metrics
 from .lost_hosts import LostHostWatch
@@ -228,12 +232,15 @@ def run_supervised(
     deadline: DeadlineArgs | None = None,
     previous_start_s: float | None = None,
     lost_hosts: LostHostWatch | None = None,
+    on_end: Callable[[], None] | None = None,
 ) -> Supervised:
     """Run ``cmd`` (usually mpirun) in a session of its own until it exits, or until ``grace_s``
     after the run recorded that it completed; then end whatever of it is left. With ``deadline``,
     a job that commits no step within its bound (``commit_deadline.py``) is ended too
     (:attr:`Supervised.stalled`); with ``lost_hosts``, so is one whose lost ranks' host no longer
-    answers (``lost_hosts.py``; :attr:`Supervised.hosts_gone`).
+    answers (``lost_hosts.py``; :attr:`Supervised.hosts_gone`). ``on_end`` is called the moment
+    the job has ended (mpirun exited) or the supervisor starts ending it, before what is left of it
+    is ended.
 
     The outcome record of an earlier launch is cleared first, so only this run's counts. Raises
     :class:`subprocess.TimeoutExpired` (after ending the session) when ``timeout_s`` passes.
@@ -255,11 +262,23 @@ def run_supervised(
     ended: list[str] = []
     returncode: int | None = None
     exited_at: float | None = None
+
+    def job_ended() -> float:
+        """The moment the job ended: told to ``on_end`` (the relaunch's probe starts there)."""
+        at = time.time()
+        if on_end is not None and not received:  # the user's interrupt relaunches nothing
+            try:
+                on_end()
+            except Exception as e:
+                log(f"at the job's end: {type(e).__name__}: {e}")
+        return at
+
     try:
+        # The job's own length has no bound here (a training run); each wait in it does.
         while True:
             try:
                 returncode = proc.wait(timeout=POLL_S)
-                exited_at = time.time()
+                exited_at = job_ended()
                 break
             except subprocess.TimeoutExpired:
                 pass
@@ -271,7 +290,7 @@ def run_supervised(
             if abandoned is not None and recorded_at is None:
                 # The job gave itself up (a re-join stuck past its deadline): mpirun would wait for
                 # the stuck process forever. Ended, it is a job lost without an outcome.
-                exited_at = time.time()
+                exited_at = job_ended()
                 ended = end_session(proc, term_wait_s)
                 log(
                     f"the job gave itself up ({abandoned.get('reason')}): ended {', '.join(ended) or 'mpirun'}"
@@ -280,7 +299,7 @@ def run_supervised(
             stalled = watch.poll(now) if recorded_at is None and read_outcome(run_dir) is None else None
             if stalled is not None:
                 # A member stuck where no deadline of its own may end it: the job is relaunched.
-                exited_at = time.time()
+                exited_at = job_ended()
                 ended = end_session(proc, term_wait_s)
                 log(f"the job stalled, {stalled.describe()}: ended {', '.join(ended) or 'mpirun'}")
                 break
@@ -288,7 +307,7 @@ def run_supervised(
             if hosts_gone is not None:
                 # Open MPI's runtime would abort the job when it gives up on the node, tens of
                 # seconds later: the relaunch need not wait for it.
-                exited_at = time.time()
+                exited_at = job_ended()
                 ended = end_session(proc, term_wait_s)
                 log(f"{hosts_gone}: ended {', '.join(ended) or 'mpirun'} to relaunch without them")
                 break
@@ -299,7 +318,7 @@ def run_supervised(
                 if outcome is not None and outcome.get("status") == "completed":
                     recorded_at = now
             elif now - recorded_at > grace_s:
-                exited_at = time.time()
+                exited_at = job_ended()
                 ended = end_session(proc, term_wait_s)
                 outcome = read_outcome(run_dir)
                 log(
@@ -476,6 +495,7 @@ def run_relaunching(
         watch_hosts = None
         if hosts is not None and len(hosts.hosts) > 1:
             watch_hosts = LostHostWatch(run_dir, hosts.hosts, hosts.answering)
+        early = _EarlyProbe(run_dir, hosts, watch_hosts, log, wanted=generation < relaunches)
         # A job lost with a node leaves steps (srun) that SIGTERM cannot end: no long waits for them.
         result = run_supervised(
             launch_cmd,
@@ -489,7 +509,9 @@ def run_relaunching(
             deadline=deadline,
             previous_start_s=start_s,
             lost_hosts=watch_hosts,
+            on_end=early.start,
         )
+        cleaned_at = time.time()  # what was left of the job is ended (or left behind)
         start_s = result.start_s or start_s
         # A job lost as a whole, with no record or with a rank's all_replicas_lost record, may be
         # relaunched, and so is one that stopped to regrow; any other record is how the run ended.
@@ -503,17 +525,9 @@ def run_relaunching(
         if generation >= relaunches:
             log(f"not relaunching: recover.max_restarts={relaunches} relaunches used")
             return report(result, run_dir, target_step=target_step, log=log)
-        ended_at = result.exited_at or time.time()
-        probe_start = time.time()
-        if (
-            result.hosts_gone is not None
-            and watch_hosts is not None
-            and watch_hosts.last_answering is not None
-        ):
-            answering = watch_hosts.last_answering  # probed a moment ago
-        else:
-            answering = hosts.answering() if hosts is not None else []
-        probe_s = time.time() - probe_start
+        ended_at = result.exited_at or cleaned_at
+        cleanup_s = max(0.0, cleaned_at - ended_at)
+        answering, probe_s = early.answer(result)
         lost = [h for h in hosts.hosts if h not in answering] if hosts is not None else []
         # A job that dies before committing a new step would die again -- unless it died because
         # one more host was lost (a node lost while the job restarts): that is a new fault.
@@ -560,7 +574,6 @@ def run_relaunching(
             if regrow
             else Kind.JOB_LOST
         )
-        cleanup_s = max(0.0, probe_start - ended_at)
         relaunch = Relaunch(generation, cause, ended_at, after, lost, placed, cleanup_s, probe_s, time.time())
         write_relaunch(run_dir, relaunch)
         what = f"hosts {', '.join(lost)} lost" if lost else "every replica lost"
@@ -580,6 +593,42 @@ def run_relaunching(
             f"(generation {generation}{width}, {relaunches - generation} relaunches left)"
         )
         before = after
+
+
+class _EarlyProbe:
+    """The relaunch's probe of which hosts answer, started the moment a job ends (``on_end`` of
+    :func:`run_supervised`) so that it overlaps ending what is left of the job; only for a job
+    that may be relaunched (``wanted``: a relaunch is left; its record says it was lost, or asks
+    to regrow), and not when the lost-host watch probed a moment ago (the job was ended for it)."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        hosts: HostPlan | None,
+        watch: LostHostWatch | None,
+        log: Callable[[str], None],
+        *,
+        wanted: bool,
+    ) -> None:
+        self.run_dir, self.hosts, self.watch, self.log, self.wanted = run_dir, hosts, watch, log, wanted
+        self.run: ProbeRun | None = None
+
+    def start(self) -> None:
+        if not self.wanted or self.hosts is None or (self.watch is not None and self.watch.lost):
+            return
+        outcome = read_outcome(self.run_dir)
+        if is_lost_job(outcome) or asks_regrow(outcome):
+            self.run = ProbeRun(self.hosts, self.log)
+
+    def answer(self, result: Supervised) -> tuple[list[str], float]:
+        """The hosts that answer and the probe's own seconds (0 for the watch's probe, which ran
+        before the job ended); every host when a probe failed (no host known lost)."""
+        watch = self.watch
+        if result.hosts_gone is not None and watch is not None and watch.last_answering is not None:
+            return watch.last_answering, 0.0
+        if self.hosts is None:
+            return [], 0.0
+        return (self.run or ProbeRun(self.hosts, self.log)).answer()
 
 
 # -- python -m nanotron_recover.supervisor supervise ... -- CMD ---------------------------------------

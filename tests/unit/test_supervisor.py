@@ -1,8 +1,9 @@
 """The supervisor's rule for a job that lost every replica (``supervisor.py``): exit 1, and an outcome
 record that says so (kind ``all_replicas_lost``, the last committed step), whether a rank outlived
 the replicas and wrote it or nobody was left and the supervisor writes it; such a job is relaunched
-like one without a record. A command it cannot restrict to the answering hosts is said once. Fake
-jobs (a Python script standing in for ``mpirun``), no MPI.
+like one without a record. The relaunch's probe overlaps the cleanup, a probe that raises costs no
+record, a command it cannot restrict to the answering hosts is said once. Fake jobs (a Python script
+standing in for ``mpirun``), no MPI.
 """
 
 from __future__ import annotations
@@ -159,6 +160,44 @@ def relaunch(tmp_path: Path, body: str, hosts: HostPlan, relaunches: int = 2) ->
         hosts=hosts,
         timeout_s=120,
     )
+
+
+def test_the_probe_runs_while_the_ended_job_is_cleaned_up(tmp_path):
+    """The lost job leaves a process that ignores SIGTERM (ended 0.5 s + 1 s later, by SIGKILL);
+    the probe takes 1 s. It starts when the job ends, so the relaunch starts after the longer of the
+    two, not after both; each part still measures itself."""
+    body = (
+        "import subprocess\n"
+        "if n == 1:\n"
+        "    subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'])\n"
+        "    commit(1); time.sleep(0.5)\n"
+        "else:\n    commit(2); record('completed', 2, None, 0, target_step=2)\n"
+    )
+    hosts = Hosts(["a"], delay_s=1.0)
+    assert relaunch(tmp_path, body, hosts) == 0
+    record = read_relaunch(tmp_path / "run")
+    assert record is not None and hosts.probes == 1 and record.hosts_lost == []
+    took = record.launched_at - record.ended_at
+    print(f"cleanup_s {record.cleanup_s:.2f}, probe_s {record.probe_s:.2f}, end to relaunch {took:.2f} s")
+    assert record.cleanup_s >= 1.0 and 1.0 <= record.probe_s < 1.5
+    assert took < record.cleanup_s + record.probe_s - 0.5
+    assert took >= max(record.cleanup_s, record.probe_s)
+
+
+def test_a_probe_that_raises_relaunches_as_before_and_keeps_the_record(tmp_path, capfd):
+    hosts = Hosts(["a", "b"], error=RuntimeError("sinfo output not understood"))
+    assert relaunch(tmp_path, LOST_THEN_DONE, hosts) == 0
+    err = capfd.readouterr().err
+    assert (
+        err.count(
+            "probing the hosts failed (RuntimeError: sinfo output not understood): no host counted lost"
+        )
+        == 1
+    )
+    record = read_relaunch(tmp_path / "run")
+    assert record is not None and record.cause == "job_lost" and record.hosts_lost == []
+    assert (read_outcome(tmp_path / "run") or {}).get("status") == "completed"
 
 
 def test_a_command_that_cannot_be_restricted_to_the_answering_hosts_is_said_once(tmp_path, capfd):

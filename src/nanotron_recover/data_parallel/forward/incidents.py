@@ -167,9 +167,10 @@ class Incidents:
         """The relaunch this job is (a lost node, or every replica lost), written by the logging
         rank once the job committed its first step: ``restart_s`` runs from the end of the previous
         job (its mpirun's exit) to this commit, in parts: ``cleanup_s`` (its leftovers ended),
-        ``probe_s`` (which hosts answer), ``start_s`` (the new job started, up to its state restored
-        from node snapshots or the disk checkpoint chosen) and ``first_step_s`` (the rest, up to the
-        commit). The steps after the restored one were redone with the same ids."""
+        ``probe_s`` (which hosts answer; started at the job's end, it overlaps ``cleanup_s``, and
+        the relaunch waits for the longer of the two), ``start_s`` (the new job started, up to its
+        state restored from node snapshots or the disk checkpoint chosen) and ``first_step_s`` (the
+        rest, up to the commit). The steps after the restored one were redone with the same ids."""
         if not self.members.is_logger():
             return
         self.members.check_member()
