@@ -14,7 +14,9 @@ The supervisor also ends what the run leaves behind. A rank that froze (SIGSTOP,
 removed from the job by the survivors, but it still exists as a process and ``mpirun`` waits for it
 forever. Once the run has recorded that it completed and ``mpirun`` has still not exited after a
 grace period, the supervisor terminates ``mpirun``'s whole session (nothing else is touched) and
-says which processes it ended.
+says which processes it ended. Its own waits are bounded: a process that SIGKILL does not end
+within ``REAP_WAIT_S`` (stuck in the kernel, on a stopped node's file system) is named and left
+behind, and the supervisor goes on.
 
 A run may also give itself up (``<run_dir>/abandoned.json``, :func:`.outcome.write_abandoned`): a
 re-join stuck past ``recover.rejoin.join_timeout_s``. The supervisor then ends ``mpirun``'s
@@ -95,6 +97,7 @@ LINGER_S = 3.0  # how long processes may outlive mpirun before they count as lef
 # After a job lost as a whole, its leftovers are stale: a short wait, then SIGKILL.
 RELAUNCH_LINGER_S = 0.5
 RELAUNCH_TERM_WAIT_S = 1.0
+REAP_WAIT_S = 5.0  # after SIGKILL: what is not gone by then (stuck in the kernel) is left behind
 GRACE_EXTRA_S = 10.0
 
 
@@ -172,13 +175,19 @@ def _signal_session(sid: int, sig: int) -> None:
             pass
 
 
-def end_session(proc: subprocess.Popen, term_wait_s: float = TERM_WAIT_S) -> list[str]:
+def end_session(
+    proc: subprocess.Popen,
+    term_wait_s: float = TERM_WAIT_S,
+    log: Callable[[str], None] | None = None,
+) -> list[str]:
     """SIGTERM every process of ``proc``'s session (``proc`` was started with
-    ``start_new_session``), SIGKILL what is left ``term_wait_s`` later; "pid N (name)" of each."""
+    ``start_new_session``), SIGKILL what is left ``term_wait_s`` later; "pid N (name)" of each.
+    What SIGKILL has not ended ``REAP_WAIT_S`` later (a process in uninterruptible sleep, on a
+    stopped node's file system) is named in one line and left behind: no wait without a bound."""
     sid = proc.pid
     members = _session_members(sid)
     if not members and proc.poll() is None:  # no /proc here: name the one process known
-        members = [(proc.pid, Path(str(proc.args[0] if isinstance(proc.args, list) else proc.args)).name)]
+        members = [(proc.pid, _name_of(proc))]
     _signal_session(sid, signal.SIGTERM)
     deadline = time.monotonic() + term_wait_s
     while time.monotonic() < deadline:
@@ -187,8 +196,26 @@ def end_session(proc: subprocess.Popen, term_wait_s: float = TERM_WAIT_S) -> lis
             break
         time.sleep(0.1)
     _signal_session(sid, signal.SIGKILL)  # also ends a SIGSTOPped process, which SIGTERM cannot
-    proc.wait()
+    reap_by = time.monotonic() + REAP_WAIT_S
+    try:
+        proc.wait(timeout=REAP_WAIT_S)
+        reaped = True
+    except subprocess.TimeoutExpired:
+        reaped = False
+    _wait_empty(sid, max(0.0, reap_by - time.monotonic()))
+    left = _session_members(sid)
+    if not reaped and proc.pid not in {pid for pid, _ in left}:
+        left.insert(0, (proc.pid, _name_of(proc)))
+    if left:
+        (log or _log(PREFIX))(
+            f"{', '.join(f'pid {pid} ({name})' for pid, name in left)} not ended {REAP_WAIT_S:g}s "
+            "after SIGKILL (stuck in the kernel?): left behind"
+        )
     return [f"pid {pid} ({name})" for pid, name in members]
+
+
+def _name_of(proc: subprocess.Popen) -> str:
+    return Path(str(proc.args[0] if isinstance(proc.args, list) else proc.args)).name
 
 
 def _wait_empty(sid: int, timeout_s: float) -> bool:
@@ -284,14 +311,14 @@ def run_supervised(
                 pass
             now = time.monotonic()
             if timeout_s is not None and now - started > timeout_s:
-                end_session(proc, term_wait_s)
+                end_session(proc, term_wait_s, log)
                 raise subprocess.TimeoutExpired(cmd, timeout_s)
             abandoned = read_abandoned(run_dir)
             if abandoned is not None and recorded_at is None:
                 # The job gave itself up (a re-join stuck past its deadline): mpirun would wait for
                 # the stuck process forever. Ended, it is a job lost without an outcome.
                 exited_at = job_ended()
-                ended = end_session(proc, term_wait_s)
+                ended = end_session(proc, term_wait_s, log)
                 log(
                     f"the job gave itself up ({abandoned.get('reason')}): ended {', '.join(ended) or 'mpirun'}"
                 )
@@ -300,7 +327,7 @@ def run_supervised(
             if stalled is not None:
                 # A member stuck where no deadline of its own may end it: the job is relaunched.
                 exited_at = job_ended()
-                ended = end_session(proc, term_wait_s)
+                ended = end_session(proc, term_wait_s, log)
                 log(f"the job stalled, {stalled.describe()}: ended {', '.join(ended) or 'mpirun'}")
                 break
             hosts_gone = lost_hosts.poll() if lost_hosts is not None and recorded_at is None else None
@@ -308,7 +335,7 @@ def run_supervised(
                 # Open MPI's runtime would abort the job when it gives up on the node, tens of
                 # seconds later: the relaunch need not wait for it.
                 exited_at = job_ended()
-                ended = end_session(proc, term_wait_s)
+                ended = end_session(proc, term_wait_s, log)
                 log(f"{hosts_gone}: ended {', '.join(ended) or 'mpirun'} to relaunch without them")
                 break
             if recorded_at is None:
@@ -319,7 +346,7 @@ def run_supervised(
                     recorded_at = now
             elif now - recorded_at > grace_s:
                 exited_at = job_ended()
-                ended = end_session(proc, term_wait_s)
+                ended = end_session(proc, term_wait_s, log)
                 outcome = read_outcome(run_dir)
                 log(
                     f"the run {_describe(outcome)} but mpirun had not exited {grace_s:g}s later: "
@@ -329,11 +356,11 @@ def run_supervised(
         # mpirun gone by itself: anything still in its session a moment later (an orphaned rank)
         # goes too. The moment lets helpers that exit with their parent (W&B's service) do so.
         if returncode is not None and _wait_empty(proc.pid, linger_s):
-            ended = end_session(proc, term_wait_s)
+            ended = end_session(proc, term_wait_s, log)
             log(f"mpirun exited (status {returncode}) leaving processes behind: ended {', '.join(ended)}")
     except BaseException:
         if proc.poll() is None:
-            end_session(proc, term_wait_s)
+            end_session(proc, term_wait_s, log)
         raise
     finally:
         for sig, handler in previous.items():

@@ -2,24 +2,27 @@
 record that says so (kind ``all_replicas_lost``, the last committed step), whether a rank outlived
 the replicas and wrote it or nobody was left and the supervisor writes it; such a job is relaunched
 like one without a record. The relaunch's probe overlaps the cleanup, a probe that raises costs no
-record, a command it cannot restrict to the answering hosts is said once. Fake jobs (a Python script
-standing in for ``mpirun``), no MPI.
+record, a command it cannot restrict to the answering hosts is said once, a process it cannot reap
+is left behind. Fake jobs (a Python script standing in for ``mpirun``), no MPI.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from nanotron_recover import supervisor
 from nanotron_recover.errors import ExitCode
 from nanotron_recover.generation import read_relaunch
 from nanotron_recover.hosts import HostPlan
 from nanotron_recover.outcome import read_outcome
-from nanotron_recover.supervisor import run_relaunching, supervise
+from nanotron_recover.supervisor import end_session, run_relaunching, supervise
 
 
 def fake_job(tmp_path: Path, body: str) -> list[str]:
@@ -211,3 +214,35 @@ def test_a_command_that_cannot_be_restricted_to_the_answering_hosts_is_said_once
     assert f"{sys.executable} is not one of Open MPI's launchers (mpirun, mpiexec, prterun, orterun)" in err
     record = read_relaunch(tmp_path / "run")
     assert record is not None and record.hosts_lost == ["b"] and record.hosts == []  # as before
+
+
+class Unreapable:
+    """A session leader that SIGKILL does not end (uninterruptible sleep): ``wait`` never returns."""
+
+    def __init__(self) -> None:
+        with open("/proc/sys/kernel/pid_max") as f:
+            self.pid = int(f.read()) + 1000  # no such process, nor process group
+        self.args = ["stuck"]
+
+    def poll(self) -> None:
+        return None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if timeout is None:
+            raise AssertionError("a wait without a bound")
+        time.sleep(timeout)
+        raise subprocess.TimeoutExpired("stuck", timeout)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/sys/kernel/pid_max"), reason="Linux /proc")
+def test_a_process_that_cannot_be_reaped_is_left_behind_and_said(monkeypatch):
+    monkeypatch.setattr(supervisor, "REAP_WAIT_S", 0.3)
+    proc = Unreapable()
+    lines: list[str] = []
+    start = time.monotonic()
+    ended = end_session(proc, term_wait_s=0.2, log=lines.append)  # type: ignore[arg-type]
+    assert time.monotonic() - start < 2.0
+    assert ended == [f"pid {proc.pid} (stuck)"]
+    assert lines == [
+        f"pid {proc.pid} (stuck) not ended 0.3s after SIGKILL (stuck in the kernel?): left behind"
+    ]
