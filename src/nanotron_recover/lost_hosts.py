@@ -12,15 +12,17 @@ it either way.
 So the supervisor reads the incidents as they are written (:class:`LostHostWatch`). When a
 recovery lost ranks (``crash`` or ``hang``), it probes the hosts those ranks ran on
 (``hosts.HostPlan.answering``, all hosts at once so that the answering ones set how long the
-silent one may take). A host that does not answer is lost: the supervisor ends the job and
-relaunches it on the hosts that answer, from node memory, at once. A rank that died or froze on a
-healthy node leaves its host answering: nothing happens, the in-step repair (and a re-join) is
-all it costs.
+silent one may take; bounded, ``host_probe.py``). A host that does not answer is lost: the
+supervisor ends the job and relaunches it on the hosts that answer, from node memory, at once. A
+rank that died or froze on a healthy node leaves its host answering: nothing happens, the in-step
+repair (and a re-join) is all it costs. A probe that raises is said in one line and counts as no
+host known lost: the job goes on, and Open MPI's runtime still ends it if the node is gone.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,10 +35,19 @@ LOSS_KINDS = (Kind.CRASH, Kind.HANG)
 class LostHostWatch:
     """Follows ``<run_dir>/incidents.jsonl``; :meth:`poll` names a lost host of a new incident."""
 
-    def __init__(self, run_dir: str | Path, hosts: list[str], answering: Callable[[], list[str]]) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        hosts: list[str],
+        answering: Callable[[], list[str]],
+        log: Callable[[str], None] | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.hosts = list(hosts)
         self.answering = answering  # probes every host: those that answer
+        self.log = log or (
+            lambda line: print(f"nanotron-recover launch: {line}", file=sys.stderr, flush=True)
+        )
         path = self.run_dir / "incidents.jsonl"
         self._offset = path.stat().st_size if path.exists() else 0  # earlier launches' incidents
         self.lost: list[str] = []
@@ -47,8 +58,15 @@ class LostHostWatch:
         suspects = sorted({h for inc in self._new_incidents() for h in self._hosts_of(inc)} - set(self.lost))
         if not suspects:
             return None
-        self.last_answering = self.answering()
-        gone = [h for h in suspects if h not in self.last_answering]
+        try:
+            answer = list(self.answering())
+        except Exception as e:
+            self.log(
+                f"probing hosts {', '.join(suspects)} failed ({type(e).__name__}: {e}): none counted lost"
+            )
+            return None
+        self.last_answering = answer
+        gone = [h for h in suspects if h not in answer]
         if not gone:
             return None
         self.lost += gone

@@ -44,10 +44,11 @@ supervisor ends a job that has committed nothing for a bound derived from its me
 relaunches it like a lost one (incident kind ``stalled``): no stuck member can hold the job. And
 a job whose lost ranks' host no longer answers a probe (a frozen or cut-off node) is ended and
 relaunched without that host at once (``lost_hosts.py``), not when Open MPI's runtime gives up on
-the node tens of seconds later. A probe that fails after the job ended (an unexpected exception)
-is said in one line and counts as no host known lost: the job is relaunched as before. A command
-that is not one of Open MPI's launchers cannot be restricted to the answering hosts: the
-supervisor says so once and relaunches it as it was.
+the node tens of seconds later. A probe that fails (an unexpected exception, in the watch or after
+the job ended) is said in one line and counts as no host known lost: the job is relaunched as
+before, and the run's outcome record is never lost to it. A command that is not one of Open MPI's
+launchers cannot be restricted to the answering hosts: the supervisor says so once and relaunches
+it as it was.
 
 ``python -m nanotron_recover.supervisor supervise --run-dir D [--relaunches N] -- CMD...`` runs
 the supervisor around any command; the Slurm job script uses it that way.
@@ -265,9 +266,9 @@ def run_supervised(
     after the run recorded that it completed; then end whatever of it is left. With ``deadline``,
     a job that commits no step within its bound (``commit_deadline.py``) is ended too
     (:attr:`Supervised.stalled`); with ``lost_hosts``, so is one whose lost ranks' host no longer
-    answers (``lost_hosts.py``; :attr:`Supervised.hosts_gone`). ``on_end`` is called the moment
-    the job has ended (mpirun exited) or the supervisor starts ending it, before what is left of it
-    is ended.
+    answers (``lost_hosts.py``; :attr:`Supervised.hosts_gone`). A watch that raises is said in one
+    line and stops watching this job. ``on_end`` is called the moment the job has ended (mpirun
+    exited) or the supervisor starts ending it, before what is left of it is ended.
 
     The outcome record of an earlier launch is cleared first, so only this run's counts. Raises
     :class:`subprocess.TimeoutExpired` (after ending the session) when ``timeout_s`` passes.
@@ -330,7 +331,13 @@ def run_supervised(
                 ended = end_session(proc, term_wait_s, log)
                 log(f"the job stalled, {stalled.describe()}: ended {', '.join(ended) or 'mpirun'}")
                 break
-            hosts_gone = lost_hosts.poll() if lost_hosts is not None and recorded_at is None else None
+            hosts_gone = None
+            if lost_hosts is not None and recorded_at is None:
+                try:
+                    hosts_gone = lost_hosts.poll()
+                except Exception as e:  # the job's outcome matters more than the watch
+                    log(f"the lost-host watch failed ({type(e).__name__}: {e}): not watching this job")
+                    lost_hosts = None
             if hosts_gone is not None:
                 # Open MPI's runtime would abort the job when it gives up on the node, tens of
                 # seconds later: the relaunch need not wait for it.
@@ -521,7 +528,7 @@ def run_relaunching(
         env[fencing.ENV] = str(token)
         watch_hosts = None
         if hosts is not None and len(hosts.hosts) > 1:
-            watch_hosts = LostHostWatch(run_dir, hosts.hosts, hosts.answering)
+            watch_hosts = LostHostWatch(run_dir, hosts.hosts, hosts.answering, log=log)
         early = _EarlyProbe(run_dir, hosts, watch_hosts, log, wanted=generation < relaunches)
         # A job lost with a node leaves steps (srun) that SIGTERM cannot end: no long waits for them.
         result = run_supervised(

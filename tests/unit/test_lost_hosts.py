@@ -72,3 +72,17 @@ def test_a_host_outside_the_allocation_is_never_named(tmp_path):
     watch = LostHostWatch(tmp_path, ["a", "b"], probe)
     incident(tmp_path, "hang", [1])
     assert watch.poll() is None and probe.calls == 0
+
+
+def test_a_probe_that_raises_names_no_host_and_says_so_once(tmp_path):
+    write_ranks(tmp_path, ["a", "b", "c"])
+    lines: list[str] = []
+
+    def probe() -> list[str]:
+        raise OSError("srun not found")
+
+    watch = LostHostWatch(tmp_path, ["a", "b", "c"], probe, log=lines.append)
+    incident(tmp_path, "hang", [1])
+    assert watch.poll() is None and watch.last_answering is None
+    assert watch.poll() is None  # the same incident is not probed again
+    assert lines == ["probing hosts b failed (OSError: srun not found): none counted lost"]

@@ -1,9 +1,10 @@
-"""The supervisor's rule for a job that lost every replica (``supervisor.py``): exit 1, and an outcome
-record that says so (kind ``all_replicas_lost``, the last committed step), whether a rank outlived
-the replicas and wrote it or nobody was left and the supervisor writes it; such a job is relaunched
-like one without a record. The relaunch's probe overlaps the cleanup, a probe that raises costs no
-record, a command it cannot restrict to the answering hosts is said once, a process it cannot reap
-is left behind. Fake jobs (a Python script standing in for ``mpirun``), no MPI.
+"""The supervisor's rule for a job that lost every replica (``supervisor.py``): exit 1, and an
+outcome record that says so (kind ``all_replicas_lost``, the last committed step), whether a rank
+outlived the replicas and wrote it or nobody was left and the supervisor writes it; such a job is
+relaunched like one without a record. Its edges: the relaunch's probe overlaps the cleanup, a
+probe or a watch that raises costs no record, a command it cannot restrict to the answering hosts
+is said once, a process it cannot reap is left behind. Fake jobs (a Python script standing in for
+``mpirun``), no MPI.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from nanotron_recover import supervisor
 from nanotron_recover.errors import ExitCode
 from nanotron_recover.generation import read_relaunch
 from nanotron_recover.hosts import HostPlan
+from nanotron_recover.lost_hosts import LostHostWatch
 from nanotron_recover.outcome import read_outcome
 from nanotron_recover.supervisor import end_session, run_relaunching, supervise
 
@@ -200,6 +202,18 @@ def test_a_probe_that_raises_relaunches_as_before_and_keeps_the_record(tmp_path,
     )
     record = read_relaunch(tmp_path / "run")
     assert record is not None and record.cause == "job_lost" and record.hosts_lost == []
+    assert (read_outcome(tmp_path / "run") or {}).get("status") == "completed"
+
+
+def test_a_lost_host_watch_that_raises_stops_watching_and_keeps_the_record(tmp_path, capfd, monkeypatch):
+    def broken(self):
+        raise KeyError("rank")
+
+    monkeypatch.setattr(LostHostWatch, "poll", broken)
+    body = "if n == 1:\n    commit(1); time.sleep(1.5)\nelse:\n    commit(2); record('completed', 2, None, 0, target_step=2)\n"
+    assert relaunch(tmp_path, body, Hosts(["a", "b"])) == 0
+    err = capfd.readouterr().err
+    assert err.count("the lost-host watch failed (KeyError: 'rank'): not watching this job") == 1
     assert (read_outcome(tmp_path / "run") or {}).get("status") == "completed"
 
 
