@@ -135,6 +135,7 @@ INCIDENT_PRIORITY: tuple[Kind, ...] = (
 
 # Phases of a step a ``recover.faults`` entry may name.
 INJECTABLE_PHASES: tuple[Phase, ...] = (
+    Phase.START,  # a relaunched job restoring its state, when ``step`` is the step it starts with
     Phase.FORWARD,
     Phase.BACKWARD,
     Phase.GATE,

@@ -279,6 +279,32 @@ def test_every_rank_killed_from_outside_is_relaunched_and_goes_on(tmp_path, plai
 
 
 @pytest.mark.mpi
+def test_a_replica_lost_while_a_relaunch_restores_is_repaired_not_relaunched_again(tmp_path, plain):
+    """Every rank is killed from outside; the relaunched job loses replica 1 (both its ranks,
+    SIGKILLed at the restore's start) while it restores from node memory. The survivor is repaired
+    in place, like a rank lost at start-up, restores alone and trains to the end: one relaunch, not
+    two, and the plain curve."""
+    # Whatever step the relaunch starts with (the kill's moment decides it), replica 1 dies there.
+    faults = [{"step": step, "replica": 1, "phase": "start"} for step in range(4, STEPS + 1)]
+    extra = ["recover.enabled=true", *HEARTBEAT, *layout(2, 1, 2, 4), f"recover.faults={json.dumps(faults)}"]
+    job = BackgroundJob(tmp_path, cli_args("launch", tmp_path, sets_for(tmp_path, extra)))
+    committed, _ = kill_every_rank(job, after_step=3)
+    result = job.finish()
+
+    assert result.returncode == 0, result.output[-4000:]
+    outcome = read_outcome(tmp_path)
+    assert outcome["status"] == "completed" and outcome["last_step"] == STEPS
+    assert_same_curve(read_metrics(tmp_path), plain)
+    incidents = read_incidents(tmp_path)
+    relaunches = [i for i in incidents if i["kind"] in ("job_lost", "node_lost")]
+    assert [(i["generation"], i["state_from"]) for i in relaunches] == [(1, "snapshot")], incidents
+    assert committed - 1 <= relaunches[0]["restored_step"] <= committed
+    (start,) = [i for i in incidents if i.get("phase") == "start"]
+    assert start["failed_replicas"] == [1], start
+    assert "replicas [1] lost while the job restored its state; going on with 1" in result.output
+
+
+@pytest.mark.mpi
 @pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare for a private tmpfs"
 )

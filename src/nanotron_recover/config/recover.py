@@ -52,7 +52,9 @@ class FaultSpec:
     after ``step``: ``microbatch: 0`` before the spawn (a member), ``1`` mid-transfer (the donor
     after sending the layout, or the spawned process taking ``rank``'s place after receiving it),
     ``2`` right after the spawn returned and ``3`` right after the merge (a member, the root
-    included: the stages where the spawned processes wait on the members).
+    included: the stages where the spawned processes wait on the members); ``phase: start`` fires in
+    a job relaunched from node memory while it restores its state, when ``step`` is the step the
+    relaunch would start with (the previous job's last commit + 1).
 
     ``kind: error`` raises an exception in whichever replica computes the micro-batch ``id`` (a
     global micro-batch id) of ``step``; ``persistent: true`` raises it every time (a deterministic

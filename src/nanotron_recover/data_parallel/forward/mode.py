@@ -40,7 +40,7 @@ from ...failures import Phase, classify
 from ...ft.failstop import Watchdog
 from ...ft.faults import FaultInjector
 from ...ft.replica_world import init_replica_world
-from ...ft.world import AllReplicasFailed, WorldChanged
+from ...ft.world import AllReplicasFailed, RecoveryResult, WorldChanged
 from ...generation import Relaunch, read_generation, read_relaunch
 from ...parallel.context import ParallelContext
 from ...parallel.world import World
@@ -162,7 +162,7 @@ class ForwardRecovery:
         found = None
         if store is not None:
             disk = resume_step(s.cfg, checkpoints_root(s.cfg, s.run_dir))
-            found = restore_from_snapshots(s.ftc, store, s.cfg.parallelism.replica_size, at_most, disk)
+            found = self._restore_repairing(store, at_most, disk)
         self.restored_at = time.time()
         if found is None:
             if s.ftc.rank == 0:
@@ -176,6 +176,54 @@ class ForwardRecovery:
         s.step = s.last_step = step
         self.state_from = "snapshot"
         return JoinedState(step=step, engine_state=state, world=world, ctx=ctx)
+
+    def _restore_repairing(
+        self, store: NodeSnapshots, at_most: int | None, disk: int | None
+    ) -> tuple[int, Any] | None:
+        """:func:`restore_from_snapshots` until every survivor got through it: a rank lost during
+        the restore is repaired like one lost at start-up (:meth:`_repair_start`), and the
+        survivors restore again among themselves. A rank that saw the failure enters the recovery
+        at once (its revokes pull out the ranks still in the restore's collectives); one that got
+        through meets it in the agree that closes the restore, which either returns on every
+        survivor or recovers on every survivor (``FaultTolerantComm.agree``)."""
+        from ...ft.ulfm import MPI, is_fault
+
+        s = self.s
+        while True:
+            try:
+                if at_most is not None:
+                    # Injected ``phase: start`` faults of a relaunch strike here, keyed by the step
+                    # the job would start with.
+                    s.injector.begin_step(at_most + 1, s.ftc.alive_replicas)
+                    s.injector.maybe_fail(Phase.START, 0)
+                found = restore_from_snapshots(s.ftc, store, s.cfg.parallelism.replica_size, at_most, disk)
+            except MPI.Exception as exc:
+                if not is_fault(exc):
+                    raise
+                self._repair_start(s.ftc.recover(), "while the job restored its state")
+                continue
+            try:
+                s.ftc.agree(True)
+            except WorldChanged as changed:
+                self._repair_start(changed.result, "while the job restored its state")
+                continue
+            return found
+
+    def _repair_start(self, result: RecoveryResult, when: str) -> None:
+        """A recovery before the first step: an incident like any other, written with the first
+        commit (phase ``start``); a process declared dead by mistake is fenced off the run
+        directory like one lost later."""
+        incident, _ = self.incidents.of_recovery(self.s.step + 1, result)
+        incident.phase = Phase.START
+        self.steps.carried.append(incident)
+        self.members.fence(result.failed_ranks)
+        ftc = self.s.ftc
+        if ftc.rank == min(ftc.alive_ranks):
+            print(
+                f"[nanotron-recover] replicas {list(result.failed_replicas)} lost {when}; going on "
+                f"with {len(result.alive_replicas)}",
+                flush=True,
+            )
 
     def _snapshot(self, step: int) -> None:
         """After the commit of ``step``: this rank's state into node memory, on a thread."""
@@ -214,19 +262,8 @@ class ForwardRecovery:
             except MPI.Exception as exc:
                 if not is_fault(exc):
                     raise
-                result = ftc.recover()  # raises AllReplicasFailed if none is left
-                # An incident like any other, written with the first commit; a process declared
-                # dead by mistake is fenced off the run directory like one lost later.
-                incident, _ = self.incidents.of_recovery(self.s.step + 1, result)
-                incident.phase = Phase.START
-                self.steps.carried.append(incident)
-                self.members.fence(result.failed_ranks)
-                if ftc.rank == min(ftc.alive_ranks):
-                    print(
-                        f"[nanotron-recover] replicas {list(result.failed_replicas)} lost while the job "
-                        f"started; going on with {len(result.alive_replicas)}",
-                        flush=True,
-                    )
+                # Raises AllReplicasFailed if none is left.
+                self._repair_start(ftc.recover(), "while the job started")
 
     # -- the loop's questions --------------------------------------------------------------
     @_ends_here
