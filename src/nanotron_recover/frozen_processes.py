@@ -1,0 +1,194 @@
+"""Frozen processes that no rank can remove, found and removed by the supervisor.
+
+Inside the job, the processes that ULFM's heartbeat detector does not watch -- a process spawned
+by a re-join, a launch rank left alone in its launch world -- beat to a heartbeat file
+(``ft/liveness.py``), and every rank watches the files of the processes on *its own host*: only
+there can it SIGKILL a frozen one, so that the runtime reports the death to every rank and the
+step is repaired. A process alone on its node (a spawned process on a spare node, a launch rank
+whose node-mates were replaced) has no such observer. Frozen, it held every member until the
+commit deadline relaunched the whole job (45-109 s measured on the emulated cluster).
+
+The supervisor sees every heartbeat file (``run_dir`` is on a file system every node shares) and
+runs inside the allocation, so it can reach any node. :class:`FrozenProcessWatch` follows the
+files of the processes in the current rank table (``ranks.json``) that have no other rank on
+their host. Ages are measured on the supervisor's own clock -- how long since the file's
+modification time last *changed* -- so a clock skew between nodes cannot age a file. A file that
+stopped changing for longer than the heartbeat timeout (plus one period, and a grace for the
+ranks' own monitors) belongs to a frozen process:
+
+1. the supervisor writes the failure record the frozen process cannot write (kind ``hang``, at
+   its last heartbeat), as a rank's monitor would;
+2. it SIGKILLs the process on its node: directly on its own host, else through a one-task
+   ``srun --overlap`` step on that node that checks the process's start time first (a pid reused
+   since is left alone). The runtime then reports the death like a crash, and the job repairs the
+   step (and re-joins) without a relaunch: a repair, seconds;
+3. when that kill cannot be done (no Slurm, or the node does not run the step: the whole node is
+   frozen or cut off), :meth:`poll` says so and the supervisor ends the job and relaunches it
+   from node memory on the hosts that answer, as for a lost host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .failures import Kind
+from .ft.liveness import LAUNCH_SUFFIX
+from .ft.records import write_record
+from .host_probe import run_bounded
+
+KILL_TRY_S = 10.0  # one srun that SIGKILLs a process on its node
+# The ranks' own monitors act within timeout + period on a process that has a node-mate; the
+# supervisor waits this much longer before acting itself.
+GRACE_PERIODS = 2.0
+
+
+@dataclass(frozen=True)
+class Watched:
+    rank: int
+    replica: int
+    host: str
+    pid: int
+    start_ticks: int | None
+
+
+class FrozenProcessWatch:
+    """Follows the heartbeat files of the job's processes that are alone on their host;
+    :meth:`poll` removes a frozen one, or returns why the job must be relaunched instead."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        period_s: float,
+        timeout_s: float,
+        *,
+        slurm_job: str | None = None,
+        local_host: str | None = None,
+        clock: Any = time.monotonic,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.bound_s = timeout_s + period_s * (1 + GRACE_PERIODS)
+        self.slurm_job = slurm_job if slurm_job is not None else os.environ.get("SLURM_JOB_ID")
+        self.local_host = local_host or socket.gethostname()
+        self.clock = clock
+        # file name -> (its last modification time, when the watch saw that time first)
+        self._seen: dict[str, tuple[float, float]] = {}
+        self._removed: set[tuple[str, int]] = set()
+
+    def poll(self) -> str | None:
+        """Remove the frozen processes found now; a description when one could not be removed
+        (the job must be ended and relaunched), else None."""
+        now = self.clock()
+        for watched, last_beat in self._frozen(now):
+            self._removed.add((watched.host, watched.pid))
+            self._record(watched, last_beat)
+            if not self._kill(watched):
+                return (
+                    f"rank {watched.rank} (pid {watched.pid} on {watched.host}, alone on its node) sent no "
+                    f"heartbeat for {self.bound_s:.0f} s and could not be removed"
+                )
+        return None
+
+    # -- finding ------------------------------------------------------------------------------
+    def _alone(self) -> dict[tuple[str, int], Watched]:
+        """The processes of the rank table that no other rank shares a host with."""
+        try:
+            table = json.loads((self.run_dir / "ranks.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        per_host: dict[str, int] = {}
+        for row in table:
+            per_host[row["host"]] = per_host.get(row["host"], 0) + 1
+        return {
+            (row["host"], int(row["pid"])): Watched(
+                int(row["rank"]),
+                int(row.get("replica", -1)),
+                row["host"],
+                int(row["pid"]),
+                row.get("start_ticks"),
+            )
+            for row in table
+            if per_host[row["host"]] == 1
+        }
+
+    def _frozen(self, now: float) -> list[tuple[Watched, float]]:
+        alone = self._alone()
+        found = []
+        try:
+            files = list((self.run_dir / "heartbeats").iterdir())
+        except OSError:
+            return []
+        for path in files:
+            host, _, rest = path.name.removesuffix(LAUNCH_SUFFIX).rpartition(".")
+            pid = int(rest) if rest.isdigit() else None
+            watched = alone.get((host, pid)) if pid is not None else None
+            if watched is None or (host, pid) in self._removed:
+                continue
+            try:
+                mtime = path.stat().st_mtime
+            except OSError:
+                continue
+            seen = self._seen.get(path.name)
+            if seen is None or seen[0] != mtime:
+                self._seen[path.name] = (mtime, now)
+                continue
+            if now - seen[1] > self.bound_s:
+                found.append((watched, mtime))
+        return found
+
+    # -- removing -----------------------------------------------------------------------------
+    def _record(self, watched: Watched, last_beat: float) -> None:
+        message = (
+            f"rank {watched.rank} (pid {watched.pid} on {watched.host}) sent no heartbeat for "
+            f"{self.bound_s:.0f} s; removed by the supervisor (no other rank on its node)"
+        )
+        record = {
+            "rank": watched.rank,
+            "replica": watched.replica,
+            "step": self._next_step(),
+            "phase": "unknown",
+            "kind": Kind.HANG,
+            "pid": watched.pid,
+            "time": last_beat,
+            "message": message,
+        }
+        write_record(self.run_dir, f"step{record['step']}_{Kind.HANG}_rank{watched.rank}", record)
+
+    def _next_step(self) -> int:
+        from .commit_record import read_commit
+
+        last = read_commit(self.run_dir)
+        return 1 if last is None else last.step + 1
+
+    def _kill(self, watched: Watched) -> bool:
+        """SIGKILL the process on its node; whether that was done (or it was gone already)."""
+        if watched.host == self.local_host:
+            try:
+                os.kill(watched.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            except OSError:
+                return False
+            return True
+        if not self.slurm_job:
+            return False
+        ticks = "" if watched.start_ticks is None else str(watched.start_ticks)
+        # Field 22 of /proc/<pid>/stat, the start time: after the command name (in parentheses),
+        # the 20th field. A process with another start time is not the frozen one: left alone.
+        script = (
+            f'p={watched.pid}; t="{ticks}"; [ -r /proc/$p/stat ] || exit 0; '
+            "set -- $(sed 's/.*) //' /proc/$p/stat); "
+            '[ -z "$t" ] || [ "${20}" = "$t" ] || exit 0; kill -KILL $p'
+        )
+        cmd = [
+            "srun", "--overlap", f"--jobid={self.slurm_job}", "-N", "1", "-n", "1",
+            "-w", watched.host, "--time", "1", "sh", "-c", script,
+        ]  # fmt: skip
+        status, _ = run_bounded(cmd, KILL_TRY_S, output=False)
+        return status == 0

@@ -1,0 +1,149 @@
+"""The supervisor's watch of processes alone on their node: a frozen one is removed (a repair), or
+the job is relaunched when it cannot be; a healthy or shared-host process is never touched."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nanotron_recover.frozen_processes import FrozenProcessWatch, Watched
+from nanotron_recover.ft.liveness import heartbeat_file
+from nanotron_recover.ft.processes import _start_ticks
+from nanotron_recover.ft.records import read_records
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def rank_table(run_dir: Path, rows: list[tuple[int, str, int]]) -> None:
+    table = [
+        {"rank": r, "host": h, "pid": p, "start_ticks": _start_ticks(p), "replica": r} for r, h, p in rows
+    ]
+    (run_dir / "ranks.json").write_text(json.dumps(table))
+
+
+def beat(run_dir: Path, host: str, pid: int, launched: bool = False, at: float | None = None) -> Path:
+    path = heartbeat_file(run_dir, host, pid, launched)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    if at is not None:
+        os.utime(path, (at, at))
+    return path
+
+
+@pytest.fixture
+def sleeper():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield proc
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+def test_a_frozen_process_alone_on_this_host_is_recorded_and_killed(tmp_path, sleeper):
+    here = socket.gethostname()
+    rank_table(tmp_path, [(0, "node-a", 11), (1, "node-a", 12), (2, here, sleeper.pid)])
+    beat(tmp_path, here, sleeper.pid, at=1000.0)
+    clock = Clock()
+    watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
+    assert watch.poll() is None  # first sight: its age starts now, whatever the file's clock says
+    clock.now = 7.9  # 5 s timeout + 3 periods (one, and two for the ranks' own monitors)
+    assert watch.poll() is None and sleeper.poll() is None
+    clock.now = 8.1
+    assert watch.poll() is None  # removed: a repair, no relaunch
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL
+    (record,) = read_records(tmp_path, [2])
+    assert (record["kind"], record["pid"], record["time"]) == ("hang", sleeper.pid, 1000.0)
+    assert "removed by the supervisor" in record["message"]
+    assert watch.poll() is None  # once
+
+
+def test_a_beating_process_is_never_touched_whatever_its_clock(tmp_path, sleeper):
+    here = socket.gethostname()
+    rank_table(tmp_path, [(0, here, sleeper.pid)])
+    clock = Clock()
+    watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
+    for i in range(40):
+        # A node whose clock is hours behind: every beat still changes the file's time.
+        beat(tmp_path, here, sleeper.pid, at=1000.0 + i)
+        clock.now = i * 1.0
+        assert watch.poll() is None
+    assert sleeper.poll() is None and read_records(tmp_path) == []
+
+
+def test_a_process_with_a_node_mate_is_left_to_the_ranks_monitors(tmp_path, sleeper):
+    here = socket.gethostname()
+    rank_table(tmp_path, [(0, here, sleeper.pid), (1, here, os.getpid())])
+    beat(tmp_path, here, sleeper.pid)
+    clock = Clock()
+    watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
+    watch.poll()
+    clock.now = 100.0
+    assert watch.poll() is None and sleeper.poll() is None
+
+
+def test_a_remote_process_is_killed_through_slurm_or_the_job_is_relaunched(tmp_path, monkeypatch):
+    rank_table(tmp_path, [(0, "node-a", 11), (1, "node-b", 4242)])
+    beat(tmp_path, "node-b", 4242, launched=True)  # a launch rank left alone in its launch world
+    calls = []
+
+    def srun(cmd, timeout_s, output=True):
+        calls.append(cmd)
+        return (0 if answer else 1), ""
+
+    monkeypatch.setattr("nanotron_recover.frozen_processes.run_bounded", srun)
+    clock = Clock()
+    answer = True
+    watch = FrozenProcessWatch(tmp_path, 1.0, 5.0, slurm_job="77", local_host="batch", clock=clock)
+    watch.poll()
+    clock.now = 9.0
+    assert watch.poll() is None
+    (cmd,) = calls
+    assert cmd[:8] == ["srun", "--overlap", "--jobid=77", "-N", "1", "-n", "1", "-w"] and cmd[8] == "node-b"
+    assert "kill -KILL $p" in cmd[-1] and "p=4242" in cmd[-1]
+
+    # The node does not run the step (frozen or cut off as a whole): relaunch.
+    rank_table(tmp_path, [(0, "node-a", 11), (1, "node-c", 4343)])
+    beat(tmp_path, "node-c", 4343)
+    answer = False
+    watch.poll()
+    clock.now = 20.0
+    said = watch.poll()
+    assert said is not None and "rank 1 (pid 4343 on node-c, alone on its node)" in said
+    # Without Slurm a remote process cannot be reached: relaunch too.
+    no_slurm = FrozenProcessWatch(tmp_path, 1.0, 5.0, slurm_job="", local_host="batch", clock=clock)
+    no_slurm.poll()
+    clock.now = 40.0
+    assert no_slurm.poll() is not None
+
+
+def test_the_remote_kill_spares_a_reused_pid(tmp_path, sleeper, monkeypatch):
+    """The shell line run on the node: a pid whose start time differs is not the frozen process."""
+    scripts = []
+    monkeypatch.setattr(
+        "nanotron_recover.frozen_processes.run_bounded",
+        lambda cmd, timeout_s, output=True: (scripts.append(cmd[-1]), (0, ""))[1],
+    )
+    watch = FrozenProcessWatch(tmp_path, 1.0, 5.0, slurm_job="1", local_host="batch")
+    ticks = _start_ticks(sleeper.pid)
+    assert ticks is not None
+    assert watch._kill(Watched(1, 1, "node-b", sleeper.pid, ticks + 1))
+    assert watch._kill(Watched(1, 1, "node-b", sleeper.pid, ticks))
+    reused, same = scripts
+    subprocess.run(["sh", "-c", reused], check=True, timeout=10)
+    time.sleep(0.2)
+    assert sleeper.poll() is None  # another start time: left alone
+    subprocess.run(["sh", "-c", same], check=True, timeout=10)
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL
