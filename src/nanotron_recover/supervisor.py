@@ -577,7 +577,6 @@ def run_relaunching(
         lost_before = lost
         width = ""
         launch_cmd = cmd  # every host answers: full width again, whatever the last launch had
-        placed = answering  # where the new job runs, for the record (empty: as before)
         if lost:
             ranks = relaunch_ranks(cmd, answering, replica_size)
             if ranks < max(1, min_replicas) * replica_size:
@@ -589,15 +588,13 @@ def run_relaunching(
             if launcher_at(cmd) is not None:
                 launch_cmd = relaunch_command(cmd, answering, ranks)
                 width = f", {ranks // replica_size} replica(s) on {', '.join(answering)}"
-            else:
-                placed = []
-                if not said_unrestricted:
-                    said_unrestricted = True
-                    log(
-                        f"cannot restrict the relaunch to the hosts that answer: {cmd[0]} is not one "
-                        f"of Open MPI's launchers ({', '.join(LAUNCHERS)}): relaunched as it was, lost "
-                        "hosts included"
-                    )
+            elif not said_unrestricted:
+                said_unrestricted = True
+                log(
+                    f"cannot restrict the relaunch to the hosts that answer: {cmd[0]} is not one of "
+                    f"Open MPI's launchers ({', '.join(LAUNCHERS)}): relaunched as it was, lost hosts "
+                    "included"
+                )
         generation += 1
         cause = (
             Kind.NODE_LOST
@@ -608,7 +605,9 @@ def run_relaunching(
             if regrow
             else Kind.JOB_LOST
         )
-        relaunch = Relaunch(generation, cause, ended_at, after, lost, placed, cleanup_s, probe_s, time.time())
+        relaunch = Relaunch(
+            generation, cause, ended_at, after, lost, answering, cleanup_s, probe_s, time.time()
+        )
         write_relaunch(run_dir, relaunch)
         what = f"hosts {', '.join(lost)} lost" if lost else "every replica lost"
         if result.stalled is not None and not lost:
