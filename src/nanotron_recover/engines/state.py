@@ -134,20 +134,21 @@ def cpu_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def rng_state(device: torch.device) -> dict[str, bytes]:
-    """torch's CPU generator state and, on a CUDA engine, the current device's: as bytes (picklable,
-    device-free). Nothing in training draws from them today (no dropout); they travel so that anything
-    that does later still continues like the donor."""
+    """torch's CPU generator state and, on a CUDA engine, the generator of ``device`` (the rank's,
+    named: a node snapshot exports on a thread of its own, whose current device is device 0): as
+    bytes (picklable, device-free). Nothing in training draws from them today (no dropout); they
+    travel so that anything that does later still continues like the donor."""
     out = {"cpu": torch.get_rng_state().numpy().tobytes()}
     if device.type == "cuda":
-        out["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
+        out["cuda"] = torch.cuda.get_rng_state(device).numpy().tobytes()
     return out
 
 
 def set_rng_state(state: dict[str, bytes], device: torch.device) -> None:
-    """Inverse of :func:`rng_state` (the CUDA state onto the current device, when both sides have one)."""
+    """Inverse of :func:`rng_state` (the CUDA state onto ``device``, when both sides have one)."""
     torch.set_rng_state(torch.frombuffer(bytearray(state["cpu"]), dtype=torch.uint8))
     if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8))
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8), device)
 
 
 # -- AdamW over named fp32 masters --------------------------------------------------------------------

@@ -239,7 +239,9 @@ class ForwardRecovery:
             self._snapshot_warned = str(store.error)
             what = "" if isinstance(store.error, SnapshotSkipped) else "node snapshot failed: "
             print(f"[nanotron-recover] rank {s.ftc.rank}: warning: {what}{store.error}", flush=True)
-        store.write(step, export=lambda: s.parts.engine.export_state(copy=False))
+        # Called after the optimizer step: on CUDA the copy is ordered after the compute stream's
+        # work so far, and the next optimizer step after the copy (snapshot_copy.py).
+        store.write(step, export=lambda: s.parts.engine.export_state(copy=False), device=s.parts.world.device)
 
     def attach(self, parts: ReplicaParts) -> None:
         self.s.parts = parts
@@ -291,7 +293,9 @@ class ForwardRecovery:
     def local_phase(self, name: str) -> Iterator[None]:
         if name == Phase.OPTIMIZER and self.snapshots is not None:
             with self.s.parts.times.phase("checkpoint"):
-                self.snapshots.wait_exported()  # the snapshot's copy first: the step changes the state
+                # The snapshot's copy first (on CUDA: the compute stream ordered after it): the
+                # optimizer step changes the state.
+                self.snapshots.wait_exported()
         try:
             with self.steps.local_phase(name):
                 yield

@@ -14,7 +14,10 @@ thread copies them straight into the slot's ``state.bin``, mapped into memory on
 across steps, so its pages are allocated once per run, not per step. (An export into fresh CPU
 tensors, then a ``write`` of them, cost 6x more per step on a 2-core machine: new pages twice.)
 A restore maps ``state.bin`` read-only and copies each tensor once out of the mapping: no copy of
-the whole file is ever held besides the state itself.
+the whole file is ever held besides the state itself. On CUDA the state first goes device to host on
+a side stream into a pinned buffer kept across steps, ordered after the commit by an event, and the
+next optimizer step's kernels after the copy (:mod:`.snapshot_copy`); the slot is written from that
+buffer once the copy is done. On CPU there is no such buffer: the live tensors go into the slot.
 
 Private to its user. ``/dev/shm`` is shared by every user of a node, so the folder (``{uid}`` in its
 name is replaced by the user's id) is created ``0700`` and checked before every use
@@ -58,6 +61,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import errno
 import json
 import mmap
@@ -73,6 +77,7 @@ from typing import Any
 import torch
 
 from ...engines.state import EngineState, dtype_from_name, dtype_name
+from .snapshot_copy import DeviceCopy, StagedCopy, byte_view
 
 PUBLISHED = "published.json"
 META = "meta.json"
@@ -284,6 +289,8 @@ class NodeSnapshots:
         self.refused: SnapshotDirRefused | None = None  # the folder, when the last check refused it
         self.written: list[int] = []  # steps published by this process, in order
         self._maps: dict[Path, mmap.mmap] = {}  # state.bin of each slot, mapped once
+        self.copier: DeviceCopy | None = None  # CUDA: the side stream and pinned buffer, made lazily
+        self.last_copy: StagedCopy | None = None  # CUDA: the device-to-host copy of the last write
 
     def _checked_root(self) -> Path:
         """The folder, checked (:func:`private_root`); raises :class:`SnapshotDirRefused`."""
@@ -299,25 +306,49 @@ class NodeSnapshots:
     def _mine(self) -> Path:
         return self.run_root / f"c{self.coordinate}" / f"r{self.replica}"
 
-    def write(self, step: int, export: Any, asynchronous: bool = True) -> None:
+    def write(
+        self, step: int, export: Any, asynchronous: bool = True, device: torch.device | None = None
+    ) -> None:
         """Export (``export()`` -> :class:`EngineState`) and publish the state of committed ``step``.
 
         With ``asynchronous`` both run on a thread; call :meth:`wait_exported` before the state
-        changes (the next optimizer step). The previous write is finished first."""
+        changes (the next optimizer step). The previous write is finished first. On a CUDA
+        ``device`` (the rank's) the state is copied on a side stream after an event recorded here,
+        on the caller's compute stream (:mod:`.snapshot_copy`); call this after the optimizer step."""
         self.wait()
         self.error = None
+        self.last_copy = None
         self._exported.clear()
+        copier = self._copier_for(device)
+        committed = copier.committed() if copier is not None else None
         if not asynchronous:
-            self._export_and_publish(step, export)
+            self._export_and_publish(step, export, copier, committed)
             return
         self._thread = threading.Thread(
-            target=self._export_and_publish, args=(step, export), name="node-snapshot", daemon=True
+            target=self._export_and_publish,
+            args=(step, export, copier, committed),
+            name="node-snapshot",
+            daemon=True,
         )
         self._thread.start()
 
+    def _copier_for(self, device: torch.device | None) -> DeviceCopy | None:
+        """The rank's :class:`DeviceCopy` on a CUDA ``device`` (made at its first snapshot), else None."""
+        if device is None or device.type != "cuda":
+            return None
+        if self.copier is None or (device.index is not None and self.copier.device != device):
+            self.copier = DeviceCopy(device)
+        return self.copier
+
     def wait_exported(self) -> None:
-        """Block until the state being snapshotted has been copied (the live state may change)."""
+        """Return once the live state may change (the next optimizer step): on CPU when the thread
+        has copied it into the slot; on CUDA when its copies are queued, the compute stream then
+        ordered after them (``wait_event``: the kernels that follow, the optimizer's, wait on the
+        device, this thread does not)."""
         self._exported.wait()
+        staged, copier = self.last_copy, self.copier
+        if staged is not None and copier is not None:
+            copier.order_compute_after(staged)
 
     def wait(self) -> None:
         """Block until the write in flight is published (or failed: :attr:`error`)."""
@@ -325,14 +356,29 @@ class NodeSnapshots:
             self._thread.join()
             self._thread = None
 
-    def _export_and_publish(self, step: int, export: Any) -> None:
+    def _export_and_publish(
+        self, step: int, export: Any, copier: DeviceCopy | None = None, committed: Any = None
+    ) -> None:
         try:
+            staged = None
             try:
-                # The export may be the live tensors: copied into the slot before the event is set.
-                state: EngineState = export()
-                target = self._copy_into_slot(state)
+                # The export may be the live tensors: copied into the slot (CPU), or their copies
+                # queued on the side stream (CUDA), before the event is set.
+                with copier.on_device() if copier is not None else contextlib.nullcontext():
+                    state: EngineState = export()
+                    target, mapped = self._prepare_slot(state)
+                    tensors = list(state.tensors.values())
+                    if copier is None:
+                        _fill(mapped, tensors)
+                    else:
+                        staged = copier.stage(tensors, state.layout(), state.nbytes(), committed)
+                        self.last_copy = staged
             finally:
                 self._exported.set()
+            if staged is not None:
+                staged.wait()  # the slot is written from the pinned buffer once the copy landed
+                if staged.nbytes:
+                    torch.frombuffer(mapped, dtype=torch.uint8, count=staged.nbytes).copy_(staged.buffer)
             self._publish(target, step, state)
             self.written.append(step)
         except BaseException as error:  # noqa: BLE001 - reported through .error, never raised in a thread
@@ -355,11 +401,11 @@ class NodeSnapshots:
 
         return min(slots, key=order)  # on a tie slot0, the first
 
-    def _copy_into_slot(self, state: EngineState) -> Path:
-        """The state's bytes into the older slot's ``state.bin`` (its ``published.json`` removed
-        first); the slot. Nothing is touched by a process fenced off the job
-        (:class:`SnapshotFenced`): the slot it would take may hold the newest snapshot of the
-        generation that replaced it."""
+    def _prepare_slot(self, state: EngineState) -> tuple[Path, mmap.mmap]:
+        """The older slot, its ``published.json`` removed and its ``state.bin`` mapped with room
+        for the state's bytes; the slot and the mapping. Nothing is touched by a process fenced off
+        the job (:class:`SnapshotFenced`): the slot it would take may hold the newest snapshot of
+        the generation that replaced it."""
         nbytes = state.nbytes()
         if self.max_bytes is not None and nbytes > self.max_bytes:
             raise SnapshotSkipped(
@@ -375,15 +421,7 @@ class NodeSnapshots:
         target = self._target_slot([mine / "slot0", mine / "slot1"])
         target.mkdir(parents=True, exist_ok=True, mode=0o700)
         (target / PUBLISHED).unlink(missing_ok=True)
-        mapped = self._mapped(target / STATE, nbytes)
-        offset = 0
-        for tensor in state.tensors.values():
-            n = tensor.numel() * tensor.element_size()
-            if n:
-                dst = torch.frombuffer(mapped, dtype=torch.uint8, count=n, offset=offset)
-                dst.copy_(_byte_view(tensor))
-            offset += n
-        return target
+        return target, self._mapped(target / STATE, nbytes)
 
     def _mapped(self, path: Path, nbytes: int) -> mmap.mmap:
         """``path`` (created or resized to ``nbytes``) mapped shared into memory, kept for the next
@@ -674,12 +712,18 @@ def _reserve(fd: int, path: Path, nbytes: int) -> None:
         ) from error
 
 
-def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s bytes as a flat uint8 tensor on its own device (a view when it is contiguous)."""
-    t = tensor.detach().contiguous().reshape(-1)
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
-    return t.view(torch.uint8)
+_byte_view = byte_view  # a module attribute of its own: the kill test slows the copies through it
+
+
+def _fill(mapped: mmap.mmap, tensors: list[torch.Tensor]) -> None:
+    """The tensors' bytes, one after the other, into the mapped ``state.bin`` (the CPU path)."""
+    offset = 0
+    for tensor in tensors:
+        n = tensor.numel() * tensor.element_size()
+        if n:
+            dst = torch.frombuffer(mapped, dtype=torch.uint8, count=n, offset=offset)
+            dst.copy_(_byte_view(tensor))
+        offset += n
 
 
 def _read_published(slot: Path) -> dict | None:
