@@ -180,6 +180,7 @@ def launch(
                 replica_size=cfg.parallelism.replica_size,
                 min_replicas=cfg.recover.min_replicas,
                 deadline=DeadlineArgs.from_recover(cfg.recover),
+                heartbeat=heartbeat_of(cfg),
             )
         finally:
             # The supervisor is done with the run (completed, stopped, interrupted, or lost with no

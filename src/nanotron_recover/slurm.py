@@ -294,7 +294,9 @@ def render_sbatch(
         "REPLICA_SIZE": str(cfg.parallelism.replica_size),
         "MIN_REPLICAS": str(cfg.recover.min_replicas),
         # A job that commits no step within its deadline is ended and relaunched (commit_deadline.py).
-        "DEADLINE_FLAGS": f"--heartbeat-timeout-s {cfg.recover.heartbeat_timeout_s:g}"
+        # ... and a frozen process alone on its node is removed on its heartbeat file's word.
+        "DEADLINE_FLAGS": f"--heartbeat-period-s {cfg.recover.heartbeat_period_s:g} "
+        f"--heartbeat-timeout-s {cfg.recover.heartbeat_timeout_s:g}"
         + (
             ""
             if cfg.recover.commit_timeout_s is None

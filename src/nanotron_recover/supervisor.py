@@ -73,6 +73,7 @@ from .commit_deadline import CommitWatch, DeadlineArgs, Stalled
 from .commit_record import read_commit
 from .errors import ExitCode
 from .failures import Kind
+from .frozen_processes import FrozenProcessWatch
 from .generation import Relaunch, clear_relaunch, write_relaunch
 from .host_probe import ProbeRun
 from .hosts import LAUNCHERS, HostPlan, launcher_at, relaunch_command, relaunch_ranks
@@ -260,13 +261,15 @@ def run_supervised(
     deadline: DeadlineArgs | None = None,
     previous_start_s: float | None = None,
     lost_hosts: LostHostWatch | None = None,
+    frozen: FrozenProcessWatch | None = None,
     on_end: Callable[[], None] | None = None,
 ) -> Supervised:
     """Run ``cmd`` (usually mpirun) in a session of its own until it exits, or until ``grace_s``
     after the run recorded that it completed; then end whatever of it is left. With ``deadline``,
     a job that commits no step within its bound (``commit_deadline.py``) is ended too
     (:attr:`Supervised.stalled`); with ``lost_hosts``, so is one whose lost ranks' host no longer
-    answers (``lost_hosts.py``; :attr:`Supervised.hosts_gone`). A watch that raises is said in one
+    answers (``lost_hosts.py``; :attr:`Supervised.hosts_gone`), and with ``frozen`` one whose frozen
+    process alone on its node cannot be removed (``frozen_processes.py``). A watch that raises is said in one
     line and stops watching this job. ``on_end`` is called the moment the job has ended (mpirun
     exited) or the supervisor starts ending it, before what is left of it is ended.
 
@@ -338,6 +341,12 @@ def run_supervised(
                 except Exception as e:  # the job's outcome matters more than the watch
                     log(f"the lost-host watch failed ({type(e).__name__}: {e}): not watching this job")
                     lost_hosts = None
+            if frozen is not None and recorded_at is None and hosts_gone is None:
+                try:
+                    hosts_gone = frozen.poll()  # a frozen process removed, or one that cannot be
+                except Exception as e:  # the job's outcome matters more than the watch
+                    log(f"the frozen-process watch failed ({type(e).__name__}: {e}): not watching this job")
+                    frozen = None
             if hosts_gone is not None:
                 # Open MPI's runtime would abort the job when it gives up on the node, tens of
                 # seconds later: the relaunch need not wait for it.
@@ -505,13 +514,15 @@ def run_relaunching(
     replica_size: int = 1,
     min_replicas: int = 1,
     deadline: DeadlineArgs | None = None,
+    heartbeat: tuple[float, float] | None = None,
 ) -> int:
     """Forward recovery's supervisor: :func:`run_supervised`, and while the job ends without an
     outcome record (or with an ``all_replicas_lost`` one, or stalled past ``deadline``) after
     committing a new step (or after one more host was lost), relaunch it (at most ``relaunches``
     times) on the hosts that still answer (``hosts``, default: the Slurm allocation, if any), with
     as many whole replicas of ``replica_size`` ranks as they hold (at least ``min_replicas``); the
-    exit status."""
+    exit status. With ``heartbeat`` (period, timeout), a frozen process alone on its node is
+    removed, or the job relaunched, on its heartbeat file's word (``frozen_processes.py``)."""
     log = _log(prefix)
     hosts = HostPlan.from_slurm() if hosts is None else hosts
     clear_relaunch(run_dir)
@@ -530,6 +541,19 @@ def run_relaunching(
         if hosts is not None and len(hosts.hosts) > 1:
             watch_hosts = LostHostWatch(run_dir, hosts.hosts, hosts.answering, log=log)
         early = _EarlyProbe(run_dir, hosts, watch_hosts, log, wanted=generation < relaunches)
+        fenced: list[fencing.Token] = []
+
+        def job_ended(early: _EarlyProbe = early, fenced: list[fencing.Token] = fenced) -> None:
+            # Fence the job first, the moment it ends or is being ended: one of its processes that
+            # the runtime cannot end (a cut-off or frozen node) writes nothing from this instant,
+            # not after the cleanup and the probe. A completed job's token moving on fences nothing
+            # that still writes.
+            fenced.append(new_generation(run_dir))
+            early.start()
+
+        frozen = None
+        if heartbeat is not None:
+            frozen = FrozenProcessWatch(run_dir, *heartbeat)
         # A job lost with a node leaves steps (srun) that SIGTERM cannot end: no long waits for them.
         result = run_supervised(
             launch_cmd,
@@ -543,7 +567,8 @@ def run_relaunching(
             deadline=deadline,
             previous_start_s=start_s,
             lost_hosts=watch_hosts,
-            on_end=early.start,
+            frozen=frozen,
+            on_end=job_ended,
         )
         cleaned_at = time.time()  # what was left of the job is ended (or left behind)
         start_s = result.start_s or start_s
@@ -552,9 +577,8 @@ def run_relaunching(
         regrow = asks_regrow(result.outcome)
         if not (is_lost_job(result.outcome) or regrow) or result.interrupted_by is not None:
             return report(result, run_dir, target_step=target_step, log=log)
-        # Fence the ended job now, before the cleanup and the probe: one of its processes that
-        # the runtime could not end (a cut-off or frozen node) writes nothing from this instant.
-        token = new_generation(run_dir)
+        # Fenced when it ended (job_ended); the next job holds the newest token.
+        token = fenced[-1] if fenced else new_generation(run_dir)
         after = last_committed_step(run_dir)
         if generation >= relaunches:
             log(f"not relaunching: recover.max_restarts={relaunches} relaunches used")
@@ -595,6 +619,13 @@ def run_relaunching(
                     f"Open MPI's launchers ({', '.join(LAUNCHERS)}): relaunched as it was, lost hosts "
                     "included"
                 )
+        elif hosts is not None and answering and launcher_at(cmd) is not None:
+            # Full width, and still named: the job's own line lets the runtime read the allocation
+            # from the environment, which may still list a node Slurm dropped from it since
+            # (--no-kill), and starts its daemons without --overlap, which a step left by a cut-off
+            # node's old daemons blocks. Its srun then failed (exit 1) and no relaunch could start:
+            # two jobs lost so in a fault campaign on the emulated cluster.
+            launch_cmd = relaunch_command(cmd, answering, relaunch_ranks(cmd, answering, replica_size))
         generation += 1
         cause = (
             Kind.NODE_LOST
@@ -708,10 +739,17 @@ def main(argv: list[str] | None = None) -> int:
         help="no relaunch with fewer replicas than this (recover.min_replicas; default: %(default)s)",
     )
     p.add_argument(
+        "--heartbeat-period-s",
+        type=float,
+        default=1.0,
+        help="recover.heartbeat_period_s: how often the job's processes beat (default: %(default)s)",
+    )
+    p.add_argument(
         "--heartbeat-timeout-s",
         type=float,
         default=5.0,
-        help="recover.heartbeat_timeout_s: the commit deadline allows two for a repair (default: %(default)s)",
+        help="recover.heartbeat_timeout_s: the commit deadline allows two for a repair, and a process "
+        "alone on its node whose heartbeat file is older is removed (default: %(default)s)",
     )
     p.add_argument(
         "--commit-timeout-s",
@@ -736,6 +774,7 @@ def main(argv: list[str] | None = None) -> int:
             replica_size=args.replica_size,
             min_replicas=args.min_replicas,
             deadline=DeadlineArgs(allowance_s=2 * args.heartbeat_timeout_s, fixed_s=args.commit_timeout_s),
+            heartbeat=(args.heartbeat_period_s, args.heartbeat_timeout_s),
         )
     return supervise(
         cmd, args.run_dir, grace_s=args.grace_s, target_step=args.target_step, prefix=args.prefix

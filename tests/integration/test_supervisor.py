@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from nanotron_recover.checkpoint import latest_step
+from nanotron_recover.commit_record import read_commit
 from nanotron_recover.generation import read_relaunch
 from nanotron_recover.hosts import HostPlan
 from nanotron_recover.logging import read_incidents, read_metrics
@@ -153,6 +154,34 @@ def test_a_host_lost_during_the_restart_is_a_new_fault_and_relaunches_again(tmp_
     assert "after step 2 (hosts b, c lost): relaunching it (generation 2" in err
 
 
+def test_a_relaunch_at_full_width_names_its_hosts_and_overlaps_the_old_steps(tmp_path):
+    """Every host answers: the relaunch still names them, with the overlap. The job's own line
+    would let the runtime start its daemons on the allocation the environment lists (which may
+    still hold a node Slurm dropped from the job) without --overlap (which a cut-off node's old
+    daemon step blocks): its srun failed and no relaunch could start."""
+    launcher = tmp_path / "bin" / "mpirun"  # stands in for Open MPI's launcher: records its line
+    launcher.parent.mkdir()
+    body = (
+        "(tmp / f'argv{n}.json').write_text(json.dumps(sys.argv[1:]))\n"
+        "if n == 1:\n    commit(1); commit(2)\n"
+        "else:\n    commit(3)\n"
+        "    write_outcome(run_dir, status='completed', last_step=3, target_step=3, exit_code=0)\n"
+    )
+    job = fake_job(tmp_path, "import sys\n" + body)
+    launcher.write_text(f"#!{sys.executable}\n" + Path(job[1]).read_text())
+    launcher.chmod(0o755)
+    cmd = [str(launcher), "-n", "2", "--map-by", "ppr:1:node", "python", "-m", "nanotron_recover.cli"]
+    hosts = ScriptedHosts(["a", "b"], [["a", "b"]])
+    code = run_relaunching(cmd, tmp_path / "run", grace_s=1, relaunches=2, hosts=hosts, timeout_s=120)
+    assert code == 0
+    first = json.loads((tmp_path / "argv1.json").read_text())
+    second = json.loads((tmp_path / "argv2.json").read_text())
+    assert first == cmd[1:]
+    assert second[:5] == ["--host", "a:1,b:1", "--prtemca", "plm_slurm_args", "--overlap"], second
+    assert second[5:] == cmd[1:]
+    assert read_relaunch(tmp_path / "run").hosts == ["a", "b"]
+
+
 def test_a_frozen_host_is_relaunched_on_the_jobs_word_not_the_runtimes(tmp_path, capfd):
     """The job lost a rank to a hang and repaired it, and goes on waiting (as mpirun does for a
     node's daemon that stopped answering, until the runtime gives up on it tens of seconds
@@ -227,7 +256,10 @@ def kill_every_rank(job: BackgroundJob, after_step: int) -> tuple[int, list[int]
     """SIGKILL every rank of the job once it committed ``after_step``; (committed then, pids)."""
     job.wait_until(lambda: job.committed() >= after_step, f"step {after_step}")
     pids = [r["pid"] for r in json.loads((job.run_dir / "ranks.json").read_text())]
-    committed = job.committed()
+    # The supervisor's word on the last commit (commit.json is written just after the step's
+    # metrics line: the two may differ by one at the kill).
+    record = read_commit(job.run_dir)
+    committed = job.committed() if record is None else record.step
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     return committed, pids

@@ -30,8 +30,9 @@ the time of its last heartbeat), then SIGKILLs the process. The runtime reports 
 rank as it reports a crash, and forward recovery and re-join take over. Several monitors on one host
 may act on the same process; a second SIGKILL and an identical record change nothing.
 
-Limit: a frozen process on a host where no other process of the job runs is seen by nobody who can
-kill it. ``run_dir`` must be on a file system that the watched process and the ranks on its host
+A frozen process on a host where no other process of the job runs has no such monitor: the
+supervisor watches its file and removes it on its node (``frozen_processes.py``). ``run_dir`` must
+be on a file system that the watched process and the ranks on its host
 share, as it must be for checkpoints.
 """
 
