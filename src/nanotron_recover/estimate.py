@@ -16,7 +16,10 @@ In forward-recovery mode the plan also says what the node-memory snapshots (``re
 take in the node's shared memory, outside the GPU: two slots of the rank's state (its parameters,
 fp32 masters and AdamW moments, as above) per rank, and per node that times the ranks per node
 when the launch tells it (Slurm's ``SLURM_NTASKS_PER_NODE`` or ``SLURM_GPUS_ON_NODE``), else for 4
-and 8 ranks per node; and the folder they live in.
+and 8 ranks per node; and the folder they live in. Without ``recover.snapshot.max_mb`` each rank
+caps its slots itself at its first snapshot: half of the folder's room over the two slots of every
+rank of its node. The plan says what that cap would be with the folder's free space on the host the
+dry run runs on (the nodes' may differ: it is decided at run time, on each node).
 
 The plan opens with the ``note:`` lines of the fields accepted although they run differently here
 (:func:`~nanotron_recover.config.validate.config_notes`), and says which steps the profiler records
@@ -120,6 +123,9 @@ def estimate_stage(cfg: Config, pp_rank: int) -> StageEstimate:
 
 
 SNAPSHOT_SLOTS = 2  # a snapshot is written into the older of two slots (data_parallel/forward/snapshots.py)
+# Without recover.snapshot.max_mb the snapshots of a node take at most this share of the folder's
+# room (snapshots.DEFAULT_SHARE, which a rank applies at its first snapshot).
+SNAPSHOT_DEFAULT_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -133,6 +139,7 @@ class NodeSnapshotEstimate:
     ranks_per_node: int | None
     ranks_per_node_from: str | None  # where ranks_per_node was read
     max_bytes: int | None  # recover.snapshot.max_mb
+    free_bytes: int | None = None  # free space of dir's file system on this host (None: unknown)
 
     @property
     def per_rank_bytes(self) -> int:
@@ -140,6 +147,29 @@ class NodeSnapshotEstimate:
 
     def per_node_bytes(self, ranks: int) -> int:
         return ranks * self.per_rank_bytes
+
+    def default_cap(self, ranks: int) -> int | None:
+        """The slot cap a rank would apply without ``max_mb`` with ``ranks`` ranks on its node and
+        this host's free space (None: not known here)."""
+        if self.free_bytes is None:
+            return None
+        return int(SNAPSHOT_DEFAULT_SHARE * self.free_bytes) // (self.slots * max(ranks, 1))
+
+
+def folder_free_bytes(folder: str) -> int | None:
+    """Free space of the file system ``folder`` is on (its nearest existing parent's when it does not
+    exist yet), on this host; None when nothing of it can be read."""
+    path = os.path.abspath(folder)
+    while True:
+        try:
+            vfs = os.statvfs(path)
+        except OSError:
+            parent = os.path.dirname(path)
+            if parent == path:
+                return None
+            path = parent
+            continue
+        return vfs.f_bavail * vfs.f_frsize
 
 
 def node_state_bytes(stage: StageEstimate, cfg: Config) -> int:
@@ -176,6 +206,7 @@ def node_snapshot_estimate(
         ranks_per_node=None if ranks is None else min(ranks, cfg.world_size),
         ranks_per_node_from=source,
         max_bytes=None if n.max_mb is None else int(n.max_mb * 2**20),
+        free_bytes=folder_free_bytes(n.dir) if n.max_mb is None else None,
     )
 
 
@@ -286,4 +317,25 @@ def _node_snapshot_lines(summary: dict) -> list[str]:
         lines.append(
             f"  over recover.snapshot.max_mb ({n.max_bytes / 2**20:.0f} MiB): the heaviest rank skips its snapshots"
         )
+    if n.max_bytes is None:
+        lines += _default_cap_lines(n, summary["world_size"])
+    return lines
+
+
+def _default_cap_lines(n: NodeSnapshotEstimate, world: int) -> list[str]:
+    """The cap a rank applies without ``recover.snapshot.max_mb``, as far as this host can tell."""
+    lines = [
+        f"  default cap   recover.snapshot.max_mb unset: {SNAPSHOT_DEFAULT_SHARE:.0%} of the folder's free "
+        f"space over {n.slots} slots x the ranks of a node, decided on each node at run time"
+    ]
+    if n.free_bytes is None:
+        return lines
+    ranks = [n.ranks_per_node] if n.ranks_per_node is not None else sorted({min(r, world) for r in (4, 8)})
+    caps = [(r, n.default_cap(r) or 0) for r in ranks]
+    shown = ", ".join(
+        f"{cap / GIB:.2f} GiB a slot with {r} ranks per node"
+        + (f" (the heaviest rank's {n.state_bytes / GIB:.2f} GiB skipped)" if n.state_bytes > cap else "")
+        for r, cap in caps
+    )
+    lines.append(f"                with the {n.free_bytes / GIB:.2f} GiB free here: {shown}")
     return lines

@@ -293,3 +293,46 @@ def test_node_snapshots_of_an_hsdp_rank_a_small_job_a_cap_and_when_off():
     assert off["node_snapshots"] is None
     assert "node memory     recover.snapshot off (interval 0)" in format_plan(off)
     assert plan_summary(config(), env={})["node_snapshots"] is None  # no forward recovery
+
+
+def test_without_max_mb_the_plan_gives_the_default_cap_from_the_folders_free_space(monkeypatch, tmp_path):
+    """Half the folder's free space over the two slots of every rank of a node: the cap each rank
+    applies at its first snapshot, here from this host's free space (the nodes decide their own)."""
+    from nanotron_recover import estimate
+    from nanotron_recover.data_parallel.forward import snapshots
+
+    assert estimate.SNAPSHOT_DEFAULT_SHARE == snapshots.DEFAULT_SHARE
+    assert estimate.SNAPSHOT_SLOTS == snapshots.SLOTS
+    cfg = load_config(REPO / "configs" / "llama7b_c4.yaml", check_paths=False)
+    monkeypatch.setattr(estimate, "folder_free_bytes", lambda folder: 200 * 2**30)
+    lines = format_plan(plan_summary(cfg, env={"SLURM_NTASKS_PER_NODE": "4"})).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  default cap"))
+    assert lines[at] == (
+        "  default cap   recover.snapshot.max_mb unset: 50% of the folder's free space over 2 slots "
+        "x the ranks of a node, decided on each node at run time"
+    )
+    assert (
+        lines[at + 1]
+        == "                with the 200.00 GiB free here: 12.50 GiB a slot with 4 ranks per node"
+    )
+    # Not known where the ranks go: 4 and 8 per node; a slot of 10.98 GiB is over 6.25 GiB.
+    text = format_plan(plan_summary(cfg, env={}))
+    assert "12.50 GiB a slot with 4 ranks per node, 6.25 GiB a slot with 8 ranks per node " in text
+    assert "(the heaviest rank's 10.98 GiB skipped)" in text
+    monkeypatch.setattr(estimate, "folder_free_bytes", lambda folder: None)
+    text = format_plan(plan_summary(cfg, env={}))
+    assert "decided on each node at run time" in text and "free here" not in text
+    capped = format_plan(
+        plan_summary(
+            load_config(
+                REPO / "configs" / "llama7b_c4.yaml", ["recover.snapshot.max_mb=100000"], check_paths=False
+            ),
+            env={},
+        )
+    )
+    assert "default cap" not in capped
+    monkeypatch.undo()
+    vfs = os.statvfs(tmp_path)
+    assert estimate.folder_free_bytes(str(tmp_path / "not" / "yet")) == pytest.approx(
+        vfs.f_bavail * vfs.f_frsize, rel=0.01
+    )

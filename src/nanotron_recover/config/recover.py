@@ -184,9 +184,10 @@ class SnapshotArgs:
     # is created 0700 and refused (snapshots skipped with a warning) unless it is a directory of this
     # user's, not a symlink. A folder per run under it, removed when the run completes.
     dir: str = "/dev/shm/nanotron-recover-{uid}"
-    # A rank whose state is larger than this does not snapshot (null: no cap of its own; a slot that
-    # does not fit in the folder's free space is skipped all the same). `train --dry-run` prints what
-    # the snapshots take per rank and per node.
+    # A rank whose state is larger than this does not snapshot (null: the default cap, half of the
+    # folder's room at the first snapshot shared by the two slots of every rank of the node; a slot
+    # that does not fit in the folder's free space is skipped all the same). `train --dry-run`
+    # prints what the snapshots take per rank and per node, and the cap.
     max_mb: float | None = None
     # How many replicas of each (pp, tp) coordinate keep one, the lowest alive first (null: all).
     replicas_per_coordinate: int | None = None

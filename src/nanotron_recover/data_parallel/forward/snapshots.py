@@ -45,6 +45,14 @@ of the free space); a slot that does not fit is a skipped snapshot (:class:`Snap
 the space needed and free), never a dead rank, and the job goes on with its older snapshots and the
 disk checkpoint.
 
+Half the folder by default. Without ``recover.snapshot.max_mb`` a snapshot is skipped the same way
+when the two slots of every rank of the node (this rank's state times :data:`SLOTS` times the ranks
+on the node, ``OMPI_COMM_WORLD_LOCAL_SIZE``) would take more than :data:`DEFAULT_SHARE` of the
+folder's room, measured once, at this process's first snapshot: the free space plus what this run's
+folder already holds there (an earlier generation's slots, or another rank's of this node that got
+there first, are reused, not added). The node's shared memory is also the memory its processes run
+in: snapshots that would fill it leave the ranks to the OOM killer.
+
 Fenced first. A process that no longer belongs to the job (an older generation of a relaunched job:
 ``may_publish`` answers False) touches no slot: it is asked before a slot's ``published.json`` is
 removed (:class:`SnapshotFenced`, a skipped snapshot) and again before one is published.
@@ -80,6 +88,11 @@ from ...engines.state import EngineState, dtype_from_name, dtype_name
 from .snapshot_copy import DeviceCopy, StagedCopy, byte_view
 
 PUBLISHED = "published.json"
+SLOTS = 2  # slot0 and slot1 of each rank: a write goes into the older one
+# Without recover.snapshot.max_mb the snapshots of a node may take at most this share of the
+# folder's room (free space and what the run holds there) at the first snapshot: /dev/shm is the
+# node's memory, and the other half is left to the ranks and to the pinned staging buffers on CUDA.
+DEFAULT_SHARE = 0.5
 META = "meta.json"
 STATE = "state.bin"
 # Opened files never follow a symlink (a link planted in a shared folder would redirect the write).
@@ -245,6 +258,20 @@ def _held(folder: Path) -> tuple[int, int]:
     return files, nbytes
 
 
+def node_ranks(env: Any = None) -> int:
+    """The ranks of this job on this node (``OMPI_COMM_WORLD_LOCAL_SIZE`` under ``mpirun``,
+    ``LOCAL_WORLD_SIZE`` under torchrun; 1 when neither is set)."""
+    env = os.environ if env is None else env
+    for name in ("OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+        try:
+            value = int(env.get(name, ""))
+        except ValueError:
+            continue
+        if value > 0:
+            return value
+    return 1
+
+
 @dataclass(frozen=True)
 class Published:
     """A complete snapshot found on this node."""
@@ -262,7 +289,9 @@ class NodeSnapshots:
     ``root`` is ``recover.snapshot.dir`` (``{uid}`` replaced; checked by :func:`private_root` before
     each use). ``coordinate`` is the rank's place inside a replica (its local rank), the same on
     every replica; ``replica`` the replica that writes (several replicas on one node write side by
-    side, and a relaunched rank may read any replica's snapshot of its coordinate)."""
+    side, and a relaunched rank may read any replica's snapshot of its coordinate). ``max_bytes``
+    caps one slot (``recover.snapshot.max_mb``); None applies the default of :data:`DEFAULT_SHARE`
+    of the folder's room over the ``ranks_per_node`` ranks of the node (None: :func:`node_ranks`)."""
 
     def __init__(
         self,
@@ -274,6 +303,7 @@ class NodeSnapshots:
         generation: int = 0,
         max_bytes: int | None = None,
         may_publish: Any = None,
+        ranks_per_node: int | None = None,
     ) -> None:
         self.root = snapshot_dir(root)
         self.run_root = self.root / run_id
@@ -289,6 +319,9 @@ class NodeSnapshots:
         self.refused: SnapshotDirRefused | None = None  # the folder, when the last check refused it
         self.written: list[int] = []  # steps published by this process, in order
         self._maps: dict[Path, mmap.mmap] = {}  # state.bin of each slot, mapped once
+        self.ranks_per_node = node_ranks() if ranks_per_node is None else max(1, ranks_per_node)
+        # Without max_bytes: (the cap, its reason), decided at the first snapshot (_default_cap).
+        self.default_cap: tuple[int, str] | None = None
         self.copier: DeviceCopy | None = None  # CUDA: the side stream and pinned buffer, made lazily
         self.last_copy: StagedCopy | None = None  # CUDA: the device-to-host copy of the last write
 
@@ -416,12 +449,39 @@ class NodeSnapshots:
             raise SnapshotFenced(
                 "node snapshot skipped: this process no longer belongs to the job (a newer generation runs)"
             )
-        self._checked_root()
+        root = self._checked_root()
+        if self.max_bytes is None:
+            cap, why = self._default_cap(root)
+            if nbytes > cap:
+                raise SnapshotSkipped(
+                    f"node snapshot skipped: {SLOTS} slots of {nbytes / 2**20:.1f} MiB x "
+                    f"{self.ranks_per_node} ranks of this node need "
+                    f"{SLOTS * self.ranks_per_node * nbytes / 2**20:.1f} MiB, {why} (set "
+                    "recover.snapshot.max_mb to choose the cap, or recover.snapshot.interval: 0)"
+                )
         mine = self._mine()
         target = self._target_slot([mine / "slot0", mine / "slot1"])
         target.mkdir(parents=True, exist_ok=True, mode=0o700)
         (target / PUBLISHED).unlink(missing_ok=True)
         return target, self._mapped(target / STATE, nbytes)
+
+    def _default_cap(self, root: Path) -> tuple[int, str]:
+        """Without ``max_bytes``: the largest slot that keeps the node's snapshots within
+        :data:`DEFAULT_SHARE` of the folder's room, and the reason in words; decided at the first
+        snapshot and kept (a later skip says the same, so it is warned once)."""
+        if self.default_cap is None:
+            vfs = os.statvfs(root)
+            free = vfs.f_bavail * vfs.f_frsize
+            held = _held(self.run_root)[1] if self.run_root.is_dir() else 0
+            room = free + held
+            share = int(DEFAULT_SHARE * room)
+            cap = share // (SLOTS * self.ranks_per_node)
+            why = (
+                f"more than {DEFAULT_SHARE:.0%} of the {room / 2**20:.1f} MiB free in {root} "
+                f"({share / 2**20:.1f} MiB) at the first snapshot"
+            )
+            self.default_cap = (cap, why)
+        return self.default_cap
 
     def _mapped(self, path: Path, nbytes: int) -> mmap.mmap:
         """``path`` (created or resized to ``nbytes``) mapped shared into memory, kept for the next

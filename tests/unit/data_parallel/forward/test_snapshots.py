@@ -260,7 +260,9 @@ TINY_TMPFS_WRITER = textwrap.dedent(
     from nanotron_recover.data_parallel.forward import snapshots
     from nanotron_recover.engines.state import EngineState
     root = sys.argv[1]
-    store = snapshots.NodeSnapshots(root, "run-a", "tp1pp1", 0, 0)
+    # A cap of its own (1 TiB): the default one (half the folder) would skip the large state before
+    # its room is checked; the room checks are what this writer is about.
+    store = snapshots.NodeSnapshots(root, "run-a", "tp1pp1", 0, 0, max_bytes=1 << 40)
     small = EngineState({"param/w": torch.full((1000,), 1.0)}, {})
     large = EngineState({"param/w": torch.full((2_000_000,), 2.0)}, {})  # 8 MB into 1 MiB
     store.write(1, lambda: small, asynchronous=False)
@@ -312,6 +314,106 @@ def test_a_tmpfs_too_small_skips_the_snapshot_instead_of_killing_the_rank(tmp_pa
     # The failed reservations hold no pages: the small snapshot fits again beside step 1.
     assert lines["steps"] == "[4, 1] None", lines
     assert lines["loaded"] == "1000.0", lines
+
+
+DEFAULT_CAP_WRITER = textwrap.dedent(
+    """
+    import os, sys, torch
+    from nanotron_recover.data_parallel.forward import snapshots
+    from nanotron_recover.engines.state import EngineState
+    root = sys.argv[1]
+    def state(mib):
+        return EngineState({"param/w": torch.full((int(mib * 2**18),), 1.0)}, {})
+    # Two ranks of this node (mpirun's variable): each may take 2 slots of a quarter of half the room.
+    store = snapshots.NodeSnapshots(root, "run-a", "tp1pp1", 0, 0)
+    print("ranks:", store.ranks_per_node, flush=True)
+    store.write(1, lambda: state(1.5), asynchronous=False)  # 2 x 2 x 1.5 MiB = 6 MiB > 4 MiB
+    print("large:", type(store.error).__name__, store.error, flush=True)
+    store.write(2, lambda: state(1.5), asynchronous=False)
+    print("again:", type(store.error).__name__, store.error, flush=True)
+    store.write(3, lambda: state(0.75), asynchronous=False)  # 2 x 2 x 0.75 MiB = 3 MiB: fits
+    print("small:", [p.step for p in store.available()], store.error, flush=True)
+    capped = snapshots.NodeSnapshots(root, "run-a", "tp1pp1", 1, 0, max_bytes=2 * 2**20)
+    capped.write(4, lambda: state(1.5), asynchronous=False)  # a cap of its own: the default is off
+    print("own cap:", [p.step for p in capped.available()], capped.error, flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare for a private tmpfs"
+)
+def test_without_max_mb_a_snapshot_over_half_the_tmpfs_for_the_node_is_skipped(tmp_path):
+    """recover.snapshot.max_mb unset: on an 8 MiB tmpfs with two ranks on the node, a 1.5 MiB state
+    (two slots per rank: 6 MiB in all) is over half the room and skipped, with the same message at
+    every step (warned once); a 0.75 MiB state is written; a cap of one's own replaces the default."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (tmp_path / "writer.py").write_text(DEFAULT_CAP_WRITER)
+    proc = subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            f"mount -t tmpfs -o size=8m tmpfs {shm} && exec {sys.executable} {tmp_path / 'writer.py'} {shm}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMPI_COMM_WORLD_LOCAL_SIZE="2"),
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
+    lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines())
+    assert lines["ranks"] == "2", lines
+    assert lines["large"].startswith(
+        "SnapshotSkipped node snapshot skipped: 2 slots of 1.5 MiB x 2 ranks of this node need 6.0 MiB, "
+        f"more than 50% of the 8.0 MiB free in {shm} (4.0 MiB) at the first snapshot"
+    ), lines
+    assert "recover.snapshot.max_mb" in lines["large"], lines
+    assert lines["again"] == lines["large"], "the same reason at every step: warned once"
+    assert lines["small"] == "[3] None", lines
+    assert lines["own cap"] == "[4] None", lines
+
+
+def test_the_default_cap_counts_the_node_s_ranks_and_the_run_s_own_slots(tmp_path, monkeypatch):
+    """The room is measured once, at the first snapshot: the free space plus what this run's folder
+    already holds (a relaunch reuses the previous generation's slots)."""
+    mib = 2**20
+    free = [64 * mib]
+
+    def statvfs(path):
+        return os.statvfs_result((4096, 4096, 1 << 20, free[0] // 4096, free[0] // 4096, 0, 0, 0, 0, 255))
+
+    monkeypatch.setattr(snapshots_module.os, "statvfs", statvfs)
+    state = EngineState({"param/w": torch.ones(2 * mib)}, {})  # 8 MiB
+    # 4 ranks x 2 slots x 8 MiB = 64 MiB: more than half of 64 MiB.
+    four = store(tmp_path, ranks_per_node=4)
+    four.write(1, lambda: state, asynchronous=False)
+    assert isinstance(four.error, SnapshotSkipped) and "64.0 MiB" in str(four.error), four.error
+    assert four.default_cap == (4 * mib, four.default_cap[1])
+    # 2 ranks: 32 MiB, written.
+    two = store(tmp_path, ranks_per_node=2)
+    two.write(1, lambda: state, asynchronous=False)
+    assert two.error is None and [p.step for p in two.available()] == [1]
+    # A relaunch (a new process) finds 16 MiB free but 8 MiB of this run's own slot: 24 MiB of room,
+    # 12 MiB for the node: 1.5 MiB a slot at 4 ranks, which the 8 MiB state exceeds...
+    free[0] = 16 * mib
+    relaunched = store(tmp_path, ranks_per_node=4)
+    relaunched.write(2, lambda: state, asynchronous=False)
+    assert isinstance(relaunched.error, SnapshotSkipped)
+    assert f"of the 24.0 MiB free in {tmp_path}" in str(relaunched.error), relaunched.error
+    # ...and decided once: more room later does not change the cap nor the message.
+    message = str(relaunched.error)
+    free[0] = 1 << 40
+    relaunched.write(3, lambda: state, asynchronous=False)
+    assert str(relaunched.error) == message
+    assert snapshots_module.node_ranks({"OMPI_COMM_WORLD_LOCAL_SIZE": "8"}) == 8
+    assert snapshots_module.node_ranks({"LOCAL_WORLD_SIZE": "3"}) == 3
+    assert snapshots_module.node_ranks({"OMPI_COMM_WORLD_LOCAL_SIZE": "x"}) == 1
+    assert snapshots_module.node_ranks({}) == 1
 
 
 # -- a folder private to its user ------------------------------------------------------------------
