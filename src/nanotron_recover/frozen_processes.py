@@ -1,20 +1,25 @@
-"""Frozen processes that no rank can remove, found and removed by the supervisor.
+"""Frozen processes that no rank removes, found and removed by the supervisor.
 
-Inside the job, the processes that ULFM's heartbeat detector does not watch -- a process spawned
-by a re-join, a launch rank left alone in its launch world -- beat to a heartbeat file
-(``ft/liveness.py``), and every rank watches the files of the processes on *its own host*: only
-there can it SIGKILL a frozen one, so that the runtime reports the death to every rank and the
-step is repaired. A process alone on its node (a spawned process on a spare node, a launch rank
-whose node-mates were replaced) has no such observer. Frozen, it held every member until the
-commit deadline relaunched the whole job (45-109 s measured on the emulated cluster).
+Inside the job, a frozen rank is found by ULFM's heartbeat detector, and the processes that
+detector does not watch -- a process spawned by a re-join, a launch rank left alone in its launch
+world -- beat to a heartbeat file (``ft/liveness.py``) that every rank on *their own host* watches:
+only there can a rank SIGKILL a frozen one, so that the runtime reports the death to every rank and
+the step is repaired. Two cases were left, both measured on the emulated cluster:
 
-The supervisor sees every heartbeat file (``run_dir`` is on a file system every node shares) and
-runs inside the allocation, so it can reach any node. :class:`FrozenProcessWatch` follows the
-files of the processes in the current rank table (``ranks.json``) that have no other rank on
-their host. Ages are measured on the supervisor's own clock -- how long since the file's
+- a process alone on its node (a spawned process on a spare node, a launch rank whose node-mates
+  were replaced) has no observer on its host: frozen, it held every member until the commit
+  deadline relaunched the whole job (45-109 s);
+- a launch rank frozen on one node was declared failed by ULFM's detector, but the news did not
+  always reach the ranks on the other nodes: they spun in the reduction until the commit deadline.
+
+Every launch rank therefore beats to a file of its own too (``<host>.<pid>.rank``), and the
+supervisor, which sees every heartbeat file (``run_dir`` is on a file system every node shares) and
+runs inside the allocation, follows the files of the processes in the current rank table
+(``ranks.json``). Ages are measured on the supervisor's own clock -- how long since the file's
 modification time last *changed* -- so a clock skew between nodes cannot age a file. A file that
-stopped changing for longer than the heartbeat timeout (plus one period, and a grace for the
-ranks' own monitors) belongs to a frozen process:
+stopped changing for longer than the heartbeat timeout plus three periods (a process alone on its
+node) or twice the timeout plus three periods (one with node-mates, whose monitors and ULFM act
+first) belongs to a frozen process:
 
 1. the supervisor writes the failure record the frozen process cannot write (kind ``hang``, at
    its last heartbeat), as a rank's monitor would;
@@ -39,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from .failures import Kind
-from .ft.liveness import LAUNCH_SUFFIX
+from .ft.liveness import LAUNCH_SUFFIX, RANK_SUFFIX
 from .ft.records import write_record
 from .host_probe import run_bounded
 
@@ -56,11 +61,12 @@ class Watched:
     host: str
     pid: int
     start_ticks: int | None
+    alone: bool = True  # no other rank of the table on its host
 
 
 class FrozenProcessWatch:
-    """Follows the heartbeat files of the job's processes that are alone on their host;
-    :meth:`poll` removes a frozen one, or returns why the job must be relaunched instead."""
+    """Follows the heartbeat files of the job's processes; :meth:`poll` removes a frozen one, or
+    returns why the job must be relaunched instead."""
 
     def __init__(
         self,
@@ -74,6 +80,7 @@ class FrozenProcessWatch:
     ) -> None:
         self.run_dir = Path(run_dir)
         self.bound_s = timeout_s + period_s * (1 + GRACE_PERIODS)
+        self.shared_bound_s = self.bound_s + timeout_s  # node-mates' monitors and ULFM act first
         self.slurm_job = slurm_job if slurm_job is not None else os.environ.get("SLURM_JOB_ID")
         self.local_host = local_host or socket.gethostname()
         self.clock = clock
@@ -89,15 +96,19 @@ class FrozenProcessWatch:
             self._removed.add((watched.host, watched.pid))
             self._record(watched, last_beat)
             if not self._kill(watched):
+                where = "alone on its node" if watched.alone else "with node-mates"
                 return (
-                    f"rank {watched.rank} (pid {watched.pid} on {watched.host}, alone on its node) sent no "
-                    f"heartbeat for {self.bound_s:.0f} s and could not be removed"
+                    f"rank {watched.rank} (pid {watched.pid} on {watched.host}, {where}) sent no "
+                    f"heartbeat for {self._bound(watched):.0f} s and could not be removed"
                 )
         return None
 
     # -- finding ------------------------------------------------------------------------------
-    def _alone(self) -> dict[tuple[str, int], Watched]:
-        """The processes of the rank table that no other rank shares a host with."""
+    def _bound(self, watched: Watched) -> float:
+        return self.bound_s if watched.alone else self.shared_bound_s
+
+    def _table(self) -> dict[tuple[str, int], Watched]:
+        """The processes of the rank table, each saying whether another rank shares its host."""
         try:
             table = json.loads((self.run_dir / "ranks.json").read_text())
         except (OSError, ValueError):
@@ -112,22 +123,22 @@ class FrozenProcessWatch:
                 row["host"],
                 int(row["pid"]),
                 row.get("start_ticks"),
+                per_host[row["host"]] == 1,
             )
             for row in table
-            if per_host[row["host"]] == 1
         }
 
     def _frozen(self, now: float) -> list[tuple[Watched, float]]:
-        alone = self._alone()
+        table = self._table()
         found = []
         try:
             files = list((self.run_dir / "heartbeats").iterdir())
         except OSError:
             return []
         for path in files:
-            host, _, rest = path.name.removesuffix(LAUNCH_SUFFIX).rpartition(".")
+            host, _, rest = path.name.removesuffix(LAUNCH_SUFFIX).removesuffix(RANK_SUFFIX).rpartition(".")
             pid = int(rest) if rest.isdigit() else None
-            watched = alone.get((host, pid)) if pid is not None else None
+            watched = table.get((host, pid)) if pid is not None else None
             if watched is None or (host, pid) in self._removed:
                 continue
             try:
@@ -138,7 +149,7 @@ class FrozenProcessWatch:
             if seen is None or seen[0] != mtime:
                 self._seen[path.name] = (mtime, now)
                 continue
-            if now - seen[1] > self.bound_s:
+            if now - seen[1] > self._bound(watched):
                 found.append((watched, mtime))
         return found
 
@@ -146,7 +157,7 @@ class FrozenProcessWatch:
     def _record(self, watched: Watched, last_beat: float) -> None:
         message = (
             f"rank {watched.rank} (pid {watched.pid} on {watched.host}) sent no heartbeat for "
-            f"{self.bound_s:.0f} s; removed by the supervisor (no other rank on its node)"
+            f"{self._bound(watched):.0f} s; removed by the supervisor"
         )
         record = {
             "rank": watched.rank,

@@ -9,8 +9,9 @@ cluster target (``tests/helpers/chaos_cluster.py``) and sends, from outside, at 
   a process fault, repaired forward; the re-join spawns rank 0's replacement on a spare node;
 - a SIGSTOP of rank 0, now on that spare node (the target never freezes anything on the batch
   host, nor sends it a node fault: it is the job's single point of failure). A spawned process is
-  outside ULFM's heartbeat ring and, alone on its node, nobody reads its heartbeat file: the
-  supervisor's commit deadline (``recover.commit_timeout_s``) relaunches the job from node memory;
+  outside ULFM's heartbeat ring and no rank shares its node: the supervisor reads its heartbeat
+  file, records the hang and SIGKILLs it on its node, and the job repairs the step in place
+  (``frozen_processes.py``), long before the commit deadline (``recover.commit_timeout_s``);
 - a SIGKILL of two ranks on two different nodes (the re-join needs two free slots);
 - a power loss of a third node (every process of it, its ``/dev/shm`` with them), powered on again
   a while later: the supervisor relaunches the job from node memory.
@@ -44,7 +45,7 @@ CONFIG = REPO / "configs" / "tiny_cpu.yaml"
 DP, STEPS = 3, 140
 SEED, KINDS = 93, ["kill", "freeze", "kill_two", "node_power_off"]
 FIRST, LAST, GAP = 8, 110, 25
-NEXT_COMMIT_BOUND_S = 90.0
+NEXT_COMMIT_BOUND_S = 30.0  # the issue's bound for any fault (its goal: 15 s)
 SETS = [
     "model.model_config.hidden_size=32",
     "model.model_config.intermediate_size=64",
@@ -125,8 +126,8 @@ def test_seeded_campaign_on_the_cluster(emulated, tmp_path):
     # Rank 0 frozen on a node of its own, never on the batch host.
     assert freeze["target"][0]["rank"] == 0, freeze
     assert freeze["signals"][0]["host"] != batch, freeze
-    # Declared failed (hang), or, frozen where nothing watches it, the job relaunched past its deadline.
-    assert {"hang", "stalled", "job_lost", "node_lost"} & set(freeze["incident_kinds"]), freeze
+    # Declared failed (hang) on its heartbeat file's word and repaired: no relaunch, no deadline.
+    assert "hang" in freeze["incident_kinds"] and "stalled" not in freeze["incident_kinds"], freeze
     assert len(by_kind["kill_two"]["target"]) == 2
     power = by_kind["node_power_off"]
     assert power["signals"][0]["node"] != batch

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from nanotron_recover.frozen_processes import FrozenProcessWatch, Watched
-from nanotron_recover.ft.liveness import heartbeat_file
+from nanotron_recover.ft.liveness import heartbeat_file, rank_heartbeat_file
 from nanotron_recover.ft.processes import _start_ticks
 from nanotron_recover.ft.records import read_records
 
@@ -83,15 +83,24 @@ def test_a_beating_process_is_never_touched_whatever_its_clock(tmp_path, sleeper
     assert sleeper.poll() is None and read_records(tmp_path) == []
 
 
-def test_a_process_with_a_node_mate_is_left_to_the_ranks_monitors(tmp_path, sleeper):
+def test_a_launch_rank_with_a_node_mate_gets_one_more_timeout_first(tmp_path, sleeper):
+    """A launch rank's own beat (``.rank``): ULFM and its node-mates' monitors act within the
+    timeout; the supervisor only after one more, should the news not have reached the others."""
     here = socket.gethostname()
     rank_table(tmp_path, [(0, here, sleeper.pid), (1, here, os.getpid())])
-    beat(tmp_path, here, sleeper.pid)
+    beat_path = rank_heartbeat_file(tmp_path, here, sleeper.pid)
+    beat_path.parent.mkdir(parents=True)
+    beat_path.touch()
     clock = Clock()
     watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
     watch.poll()
-    clock.now = 100.0
+    clock.now = 12.9  # 2 x 5 s + 3 periods
     assert watch.poll() is None and sleeper.poll() is None
+    clock.now = 13.1
+    assert watch.poll() is None
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL
+    (record,) = read_records(tmp_path, [0])
+    assert record["kind"] == "hang" and "13 s" in record["message"]
 
 
 def test_a_remote_process_is_killed_through_slurm_or_the_job_is_relaunched(tmp_path, monkeypatch):

@@ -49,6 +49,12 @@ from pathlib import Path
 from .processes import ProcessInfo, still_running
 
 LAUNCH_SUFFIX = ".launch"
+# Every launch rank's own beat, from its start, read by the supervisor only (``frozen_processes.py``):
+# ULFM's detector watches these ranks, but a freeze it finds on one node did not always reach the
+# ranks of the others (measured on the emulated cluster: survivors spun in the reduction for
+# minutes). The ranks' monitors do not look at it.
+RANK_SUFFIX = ".rank"
+NOT_SPAWNED = (LAUNCH_SUFFIX, RANK_SUFFIX)
 
 
 def heartbeat_file(run_dir: str | Path, host: str, pid: int, launched: bool = False) -> Path:
@@ -57,9 +63,24 @@ def heartbeat_file(run_dir: str | Path, host: str, pid: int, launched: bool = Fa
     return Path(run_dir) / "heartbeats" / f"{host}.{pid}{LAUNCH_SUFFIX if launched else ''}"
 
 
-def start_heartbeat(run_dir: str | Path, period_s: float, launched: bool = False) -> threading.Thread:
-    """Touch this process's heartbeat file every ``period_s`` from a daemon thread, starting now."""
-    path = heartbeat_file(run_dir, socket.gethostname(), os.getpid(), launched)
+def rank_heartbeat_file(run_dir: str | Path, host: str, pid: int) -> Path:
+    """A launch rank's own beat (:data:`RANK_SUFFIX`)."""
+    return Path(run_dir) / "heartbeats" / f"{host}.{pid}{RANK_SUFFIX}"
+
+
+def start_rank_heartbeat(run_dir: str | Path, period_s: float) -> threading.Thread:
+    """A launch rank's beat from its start, for the supervisor (:data:`RANK_SUFFIX`)."""
+    return start_heartbeat(
+        run_dir, period_s, path=rank_heartbeat_file(run_dir, socket.gethostname(), os.getpid())
+    )
+
+
+def start_heartbeat(
+    run_dir: str | Path, period_s: float, launched: bool = False, path: Path | None = None
+) -> threading.Thread:
+    """Touch this process's heartbeat file (or ``path``) every ``period_s`` from a daemon thread,
+    starting now."""
+    path = path or heartbeat_file(run_dir, socket.gethostname(), os.getpid(), launched)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch()  # exists before this returns: a monitor may look at once
 
@@ -215,7 +236,7 @@ class JoinWatch:
     def _names(self) -> set[str]:
         """The spawned processes' heartbeat files (a launch rank's may appear during a join too)."""
         try:
-            return {p.name for p in self.dir.iterdir() if not p.name.endswith(LAUNCH_SUFFIX)}
+            return {p.name for p in self.dir.iterdir() if not p.name.endswith(NOT_SPAWNED)}
         except OSError:
             return set()
 

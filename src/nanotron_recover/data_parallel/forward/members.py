@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -30,7 +31,7 @@ from typing import Any, NoReturn
 from ... import fencing
 from ...failures import Kind
 from ...ft.failstop import fail_stop
-from ...ft.liveness import SpawnedMonitor, beat_once_alone
+from ...ft.liveness import SpawnedMonitor, beat_once_alone, rank_heartbeat_file, start_rank_heartbeat
 from ...ft.processes import ProcessInfo, reap
 from ...ft.records import write_record
 from ...ft.world import RecoveryResult
@@ -161,9 +162,14 @@ class Members:
         launch world once the others were replaced by spawned processes. A launch rank therefore
         starts its heartbeat file the moment it is alone (a spawned one beats from its start)."""
         s = self.s
-        if s.rejoin_on:
-            from mpi4py import MPI
+        from mpi4py import MPI
 
+        if MPI.Comm.Get_parent() == MPI.COMM_NULL:
+            # Every launch rank beats for the supervisor, which removes a frozen one alone on its
+            # node (frozen_processes.py); a spawned process beats from its start already.
+            rank_heartbeat_file(s.run_dir, socket.gethostname(), os.getpid()).unlink(missing_ok=True)
+            start_rank_heartbeat(s.run_dir, s.args.heartbeat_period_s)
+        if s.rejoin_on:
             SpawnedMonitor(
                 s.run_dir,
                 s.args.heartbeat_period_s,
