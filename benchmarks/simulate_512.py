@@ -13,7 +13,8 @@ simulate --constants``). Reported:
 - checkpoint-restart against forward recovery on 128 GPUs (32 nodes: dp=16, the same global batch,
   a replica failing every 5 steps until 8 are gone), the scale of the paper's comparison;
 - a sensitivity table: MFU, restart cost, detection time, the fault's position (in compute, or
-  inside the gradient reduction), the MPI transport, pageable staging and a reduction without its pipeline;
+  inside the gradient reduction), the MPI transport, pageable staging and a reduction without its pipeline,
+  node-memory snapshots not overlapped with the next step;
 - the unit costs, the forward-recovery reduction's terms among them.
 
 Writes ``simulate_512.{json,md,png}`` to ``--out``; nothing is measured, it runs in seconds.
@@ -86,6 +87,11 @@ SENSITIVITY: list[tuple[str, list[str]]] = [
         "no host staging (CUDA-aware MPI)",
         ["--set-constant", "grad_staging=0", "--set-constant", "cpu_sum_bw=1e12"],
     ),
+    (
+        "node-memory snapshots not overlapped (their copy taken from every step)",
+        ["--set-constant", "snapshot_overlap=0"],
+    ),
+    ("node-memory snapshots off (recover.snapshot.interval 0)", ["--set", "recover.snapshot.interval=0"]),
 ]
 
 
@@ -281,6 +287,15 @@ def main() -> int:
                 ["    MPI ring over the network (uct), latency included", f"{b['reduce_ft_network_s']:.2f}"],
                 ["    MPI_SUM and the out-of-place copy on one CPU core", f"{b['reduce_ft_cpu_sum_s']:.2f}"],
                 ["    host -> device, pinned", f"{b['reduce_ft_h2d_s']:.2f}"],
+                [
+                    f"  node-memory snapshot: {b['snapshot_bytes_per_rank'] / 1e9:.1f} GB per rank "
+                    "copied (side stream to pinned memory, then into /dev/shm)",
+                    f"{b['snapshot_copy_s']:.2f}",
+                ],
+                [
+                    "    of it not hidden behind the next step's compute and reduction, per step",
+                    f"{b['snapshot_s']:.2f}",
+                ],
                 [
                     "  plain reduction (NCCL on the GPU) + optimizer, checkpoint-restart",
                     f"{b['reduce_plain_s']:.2f}",

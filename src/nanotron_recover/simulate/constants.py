@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 MEASURED_CALIBRATE = "measured here: python benchmarks/simulate_validation.py --calibrate"
 MEASURED_RECOVERY = "measured here: python benchmarks/recovery.py (results/recovery.json)"
 MEASURED_REJOIN = "measured here: python benchmarks/rejoin.py (results/rejoin.json)"
+MEASURED_SNAPSHOT = "measured here: python benchmarks/snapshot_cost.py (results/snapshot_cost.json)"
 MEASURED_HOST_BW = (
     "measured here: python -m nanotron_recover.simulate.constants --measure-host (one thread, "
     "25 MiB float32 buffers, best of 15)"
@@ -116,6 +117,17 @@ MEANINGS: dict[str, tuple[str, str]] = {
         "overlapped, as staging.py does)",
     ),
     "dp_latency_plain_s": ("s", "fixed cost per step of the plain all-reduce (gloo on CPU, NCCL on GPU)"),
+    "snapshot_bw": (
+        "B/s",
+        "a rank's node-memory snapshot (recover.snapshot): its state's bytes over the time to copy "
+        "them into the node's shared memory (on a GPU device to pinned host memory, then into the slot)",
+    ),
+    "snapshot_overlap": (
+        "0/1",
+        "1: the snapshot's copy runs beside the next step (a side stream, a thread with a core of its "
+        "own) and costs only what outlasts that step's compute and reduction; 0: it takes its whole "
+        "time from the step (every core computing)",
+    ),
     "detect_crash_s": ("s", "a crashed process to the survivors seeing it in MPI"),
     "repair_base_s": (
         "s",
@@ -166,13 +178,16 @@ CALIBRATION = {
     "relaunch_s": -0.23,
     "save_fixed_s": 0.021,
 }
-# One core of this machine (python -m nanotron_recover.simulate.constants --measure-host), and the
+# One core of this machine (python -m nanotron_recover.simulate.constants --measure-host), the
 # bandwidth of Open MPI's sm transport per rank fitted to the bare per-bucket Allreduce of
-# benchmarks/reduction.py (nanotron_recover.simulate.validation.fit_sm_bandwidth).
+# benchmarks/reduction.py (nanotron_recover.simulate.validation.fit_sm_bandwidth), and a node-memory
+# snapshot's own bandwidth (benchmarks/snapshot_cost.py).
 HOST = {
     "host_memcpy_bw": 12.2e9,
     "cpu_sum_bw": 15.2e9,
     "mpi_bw_sm": 4.13e9,
+    # benchmarks/snapshot_cost.py: 31.5 MB over the 4.4 ms of one snapshot written alone
+    "snapshot_bw": 7.09e9,
 }
 FITTED_SM = (
     "fitted here: 4 ranks' bare per-bucket MPI Allreduce of 50M parameters in results/reduction.json "
@@ -256,6 +271,19 @@ A100_512 = Profile(
                 "back on its own stream while the next bucket is reduced",
             ),
             "dp_latency_plain_s": (0.02, "assumed: NCCL all-reduce latency, bucketed"),
+            "snapshot_bw": (
+                1 / (1 / 25e9 + 1 / 10e9),
+                "derived, not measured on a GPU: the device-to-host copy from the side stream into "
+                "pinned memory at copy_bw_pinned (PCIe Gen4 x16, 32 GB/s datasheet, ~25 GB/s reached: "
+                "assumed), then one core's copy into the slot at host_memcpy_bw (assumed), one after "
+                "the other (benchmarks/snapshot_cost.py --device cuda measures both)",
+            ),
+            "snapshot_overlap": (
+                1,
+                "the code: the copy on a side stream (snapshot_copy.py) and the write on a thread; "
+                "only the next optimizer step waits for the copy, on the device. Assumed: the copy "
+                "does not slow the step's own PCIe traffic (the reduction's staging) noticeably",
+            ),
             "detect_crash_s": (
                 CALIBRATION["detect_crash_s"],
                 MEASURED_CALIBRATE + " (this-machine); a dead process is reported by the runtime, "
@@ -353,6 +381,18 @@ THIS_MACHINE = Profile(
             "dp_latency_plain_s": (
                 C["dp_latency_plain_s"],
                 MEASURED_CALIBRATE + " (fitted to the steady step times)",
+            ),
+            "snapshot_bw": (
+                HOST["snapshot_bw"],
+                MEASURED_SNAPSHOT + ": a snapshot of 31.5 MB written alone in 4.4 ms (export, copy "
+                "into the mapped slot in /dev/shm, publish); beside a step computing on both cores "
+                "the thread took 4x that and the step lost as much (results/snapshot_cost.md), which "
+                "the model does not charge",
+            ),
+            "snapshot_overlap": (
+                0,
+                MEASURED_SNAPSHOT + ": every core computes, so the snapshot thread's copy takes its "
+                "time from the step",
             ),
             "detect_crash_s": (
                 C["detect_crash_s"],

@@ -289,9 +289,29 @@ def header(sim: Simulation) -> list[str]:
         f"{wl.parameters / 1e9:.2f}B parameters; B = {wl.B} micro-batches, {wl.tokens_per_step:,} tokens/step; "
         f"{wl.flops_per_microbatch:.3g} FLOPs/micro-batch; fault-free step {step0:.3g} s "
         f"({wl.tokens_per_step / step0:,.0f} tokens/s)",
+        snapshot_line(wl),
         f"schedule: {sched}; same wall time for every run: {sim.budget_s:,.1f} s "
         f"({sim.budget_s * wl.ranks / 3600:,.1f} GPU-hours of the allocation)",
     ]
+
+
+def snapshot_line(wl: Workload) -> str:
+    """What the node-memory snapshots cost a forward-recovery step, in one line."""
+    if wl.snapshot_copy_s <= 0:
+        return "node-memory snapshots: off (recover.snapshot.interval 0), no cost"
+    w = wl.replicas
+    per_step = wl.snapshot_s(w)
+    how = (
+        "beside the next step's compute and reduction"
+        if wl.snapshot_overlap
+        else "taken from the step (not overlapped)"
+    )
+    return (
+        f"node-memory snapshot every {wl.snapshot_interval} step(s): "
+        f"{wl.snapshot_bytes_per_rank / 1e9:.3g} GB per rank copied in {wl.snapshot_copy_s:.3g} s "
+        f"at {wl.snapshot_bw / 1e9:.3g} GB/s, {how}: {per_step:.3g} s a step "
+        f"({per_step / wl.step_s(w, forward=True):.1%} of the forward-recovery step)"
+    )
 
 
 def paper_lines(sim: Simulation) -> list[str]:

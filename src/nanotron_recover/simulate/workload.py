@@ -50,6 +50,17 @@ back: host to device when staged, a host copy otherwise. And the optimizer strea
 master, gradient, two moments read and written; the bf16 copy written). When ``shared_cores`` is
 set (a CPU machine) and more ranks than cores are busy, everything runs ``ranks / cores`` times
 slower: the ranks time-share the cores.
+
+Forward recovery also writes a node-memory snapshot after every ``recover.snapshot.interval``-th
+committed step (``data_parallel/forward/snapshots.py``): the rank's state, ``S`` bytes (parameters,
+fp32 masters, AdamW moments: :func:`~nanotron_recover.estimate.node_state_bytes`), copied in
+
+    t_copy = S / snapshot_bw
+
+which the next optimizer step waits for. With ``snapshot_overlap`` the copy runs beside the next
+step (on a GPU a side stream and a thread) and a step pays only what outlasts its compute and
+reduction, ``max(0, t_copy - compute - reduction)``; without, it pays ``t_copy`` (times the
+contention when ranks share cores). Either is divided by the interval: the cost per step.
 """
 
 from __future__ import annotations
@@ -58,7 +69,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import Config
-from ..estimate import plan_summary
+from ..estimate import node_state_bytes, plan_summary
 from ..models.llama import count_parameters
 from .constants import Profile
 
@@ -177,6 +188,10 @@ class Workload:
     rejoin_max_spawns: int = 16
     rejoin_max_failures: int = 3
     ft: FtReduction | None = None  # None: the forward path is the ring formula (tests' round numbers)
+    snapshot_bytes_per_rank: int = 0  # a node-memory snapshot of the heaviest rank
+    snapshot_interval: int = 0  # recover.snapshot.interval (0: no snapshots)
+    snapshot_bw: float = 0.0  # bytes/s of the snapshot's copy (0: free)
+    snapshot_overlap: bool = True  # the copy runs beside the next step
 
     @property
     def ranks(self) -> int:
@@ -194,16 +209,42 @@ class Workload:
             return 0.0
         return (microbatches + self.pp - 1) * self.stage_s * self.contention(replicas)
 
-    def reduce_s(self, replicas: int, forward: bool) -> float:
-        """The end-of-step cross-replica sum over ``replicas`` replicas, plus the optimizer step."""
+    def _ring_s(self, replicas: int, forward: bool) -> float:
         if forward and self.ft is not None:
-            ring = self.ft.time_s(replicas)
-        elif replicas > 1:
-            ring = 2 * (replicas - 1) / replicas * self.grad_bytes_per_rank / self.dp_bw
-        else:
-            ring = 0.0
+            return self.ft.time_s(replicas)
+        if replicas > 1:
+            return 2 * (replicas - 1) / replicas * self.grad_bytes_per_rank / self.dp_bw
+        return 0.0
+
+    def reduce_s(self, replicas: int, forward: bool) -> float:
+        """The end-of-step cross-replica sum over ``replicas`` replicas, plus the optimizer step;
+        forward recovery also the wait for the node-memory snapshot's copy (:meth:`snapshot_s`)."""
         latency = self.dp_latency_ft_s if forward else self.dp_latency_plain_s
-        return (ring + latency + self.optimizer_s) * self.contention(replicas)
+        reduce = (self._ring_s(replicas, forward) + latency + self.optimizer_s) * self.contention(replicas)
+        return reduce + (self.snapshot_s(replicas) if forward else 0.0)
+
+    @property
+    def snapshot_copy_s(self) -> float:
+        """One node-memory snapshot's copy, ``S / snapshot_bw`` (0 without snapshots)."""
+        if self.snapshot_interval <= 0 or self.snapshot_bw <= 0:
+            return 0.0
+        return self.snapshot_bytes_per_rank / self.snapshot_bw
+
+    def snapshot_s(self, replicas: int) -> float:
+        """What the node-memory snapshots add to a forward-recovery step with ``replicas``
+        replicas, per step: the copy, or what of it outlasts the next step's compute and reduction
+        when it overlaps them, over ``snapshot_interval`` steps."""
+        copy = self.snapshot_copy_s
+        if copy <= 0:
+            return 0.0
+        if self.snapshot_overlap:
+            window = self.compute_s(math.ceil(self.B / replicas), replicas) + (
+                self._ring_s(replicas, True) + self.dp_latency_ft_s
+            ) * self.contention(replicas)
+            exposed = max(0.0, copy - window)
+        else:
+            exposed = copy * self.contention(replicas)
+        return exposed / self.snapshot_interval
 
     def restore_s(self, stale: int, replicas: int) -> float:
         """Forward recovery: restoring ``stale`` torn buckets from their snapshots."""
@@ -279,4 +320,8 @@ def build_workload(cfg: Config, profile: Profile) -> Workload:
         rejoin_max_spawns=cfg.recover.rejoin.max_spawns,
         rejoin_max_failures=cfg.recover.rejoin.max_failures_per_replica,
         ft=ft,
+        snapshot_bytes_per_rank=node_state_bytes(worst, cfg),
+        snapshot_interval=cfg.recover.snapshot.interval,  # the forward runs are modelled with it
+        snapshot_bw=v("snapshot_bw"),
+        snapshot_overlap=v("snapshot_overlap") > 0,
     )

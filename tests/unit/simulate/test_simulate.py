@@ -34,6 +34,7 @@ from nanotron_recover.simulate.events import (
     FORWARD,
     REJOIN,
     Fault,
+    breakdown,
     every_k_steps,
     mtbf_faults,
     simulate,
@@ -553,3 +554,57 @@ def test_cli_places_a_fault_inside_the_reduction(tmp_path):
     forward = next(r for r in data["runs"] if r["run"] == "forward-16")
     assert all(f["stale_buckets"] == 66 for f in forward["faults"])  # 130 buckets, half + the one in flight
     assert data["schedule_steps"] == 5 * 33 and len(data["schedule"]) == 2
+
+
+# -- node-memory snapshots -----------------------------------------------------------------------
+def test_a_snapshot_costs_what_outlasts_the_next_step_when_overlapped_and_all_of_it_otherwise():
+    """workload(): compute 2 s, reduction 0.5 s. A snapshot of 10 bytes at 2 B/s is a 5 s copy:
+    overlapped, the step pays the 2.5 s the step does not hide; not overlapped, all 5 s; every
+    other step, half; with the interval at 0, nothing. The plain path never pays it."""
+    snap = {"snapshot_bytes_per_rank": 10, "snapshot_bw": 2.0, "snapshot_interval": 1}
+    base = workload().step_s(4, forward=True)
+    assert base == pytest.approx(2.5)
+    assert workload(**snap).snapshot_copy_s == pytest.approx(5.0)
+    assert workload(**snap).step_s(4, forward=True) == pytest.approx(base + 2.5)
+    assert workload(**snap, snapshot_overlap=False).step_s(4, forward=True) == pytest.approx(base + 5.0)
+    assert workload(**{**snap, "snapshot_interval": 2}).snapshot_s(4) == pytest.approx(1.25)
+    assert workload(**{**snap, "snapshot_interval": 0}).step_s(4, forward=True) == pytest.approx(base)
+    assert workload(**snap).step_s(4, forward=False) == workload().step_s(4, forward=False)
+    # A short copy hides behind the compute; on shared cores an unhidden one runs slower too.
+    assert workload(**{**snap, "snapshot_bw": 10.0}).snapshot_s(4) == 0.0
+    shared = workload(**snap, snapshot_overlap=False, shared_cores=2)
+    assert shared.snapshot_s(4) == pytest.approx(5.0 * 2)
+    # Fewer replicas, longer steps: more of the copy hidden.
+    assert workload(**snap).snapshot_s(2) == pytest.approx(max(0.0, 5.0 - (4 * 1.0 + 0.5)))
+
+
+def test_llama7b_snapshot_is_the_ranks_state_over_pcie_then_host_and_hides_behind_the_step():
+    cfg = load_config(LLAMA7B, check_paths=False)
+    prof = get_profile("a100-512")
+    wl = build_workload(cfg, prof)
+    assert wl.snapshot_interval == 1 and wl.snapshot_overlap
+    assert wl.snapshot_bytes_per_rank == wl.state_bytes_per_rank  # parameters, masters, moments
+    bw = 1 / (1 / 25e9 + 1 / 10e9)  # the pinned PCIe copy, then one core's copy into the slot
+    assert prof.v("snapshot_bw") == pytest.approx(bw)
+    assert wl.snapshot_copy_s == pytest.approx(wl.state_bytes_per_rank / bw)
+    assert 1.0 < wl.snapshot_copy_s < wl.compute_s(128, 64)  # 1.65 s against a 12 s step
+    assert wl.snapshot_s(64) == 0.0
+    serial = build_workload(cfg, prof.with_values({"snapshot_overlap": 0}))
+    assert serial.step_s(64, forward=True) == pytest.approx(wl.step_s(64, forward=True) + wl.snapshot_copy_s)
+    assert serial.step_s(64, forward=False) == wl.step_s(64, forward=False)
+    off = build_workload(load_config(LLAMA7B, ["recover.snapshot.interval=0"], check_paths=False), prof)
+    assert off.snapshot_s(64) == 0.0 and off.snapshot_copy_s == 0.0
+    unit = breakdown(serial, prof)
+    assert unit["snapshot_copy_s"] == pytest.approx(serial.snapshot_copy_s) == unit["snapshot_s"]
+    assert THIS_MACHINE.v("snapshot_bw") == HOST["snapshot_bw"] and THIS_MACHINE.v("snapshot_overlap") == 0
+
+
+def test_cli_says_what_the_snapshots_cost():
+    out = _cli("--intervals", "16", "--until", "4")
+    assert out.returncode == 0, out.stderr
+    assert (
+        "node-memory snapshot every 1 step(s): 11.8 GB per rank copied in 1.65 s at 7.14 GB/s" in out.stdout
+    )
+    assert "beside the next step's compute and reduction: 0 s a step" in out.stdout
+    serial = _cli("--intervals", "16", "--until", "4", "--set-constant", "snapshot_overlap=0")
+    assert "taken from the step (not overlapped): 1.65 s a step" in serial.stdout
