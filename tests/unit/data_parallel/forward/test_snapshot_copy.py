@@ -245,11 +245,11 @@ def test_cuda_snapshot_equals_the_committed_state_and_the_next_step_does_not_rea
         "exp_avg/host": torch.zeros(5),
     }
     for step in (1, 2, 3):
-        for _ in range(20):  # a long tail of work on the compute stream: the copy must wait for it
+        for _ in range(200):  # a long tail of work queued on the compute stream: the copy waits for it
             live["param/w"].mul_(1.0001).add_(0.5)
-        expected = {k: v.cpu() for k, v in live.items()}
         snaps.write(step, lambda step=step: EngineState(dict(live), {"step": step}), device=device)
         snaps.wait_exported()
+        expected = {k: v.cpu() for k, v in live.items()}  # the committed state (the compute stream's)
         live["param/w"].add_(1000.0)  # the next optimizer step, on the compute stream
         live["param/b16"].add_(1000.0)
         snaps.wait()
