@@ -135,7 +135,6 @@ INCIDENT_PRIORITY: tuple[Kind, ...] = (
 
 # Phases of a step a ``recover.faults`` entry may name.
 INJECTABLE_PHASES: tuple[Phase, ...] = (
-    Phase.START,  # a relaunched job restoring its state, when ``step`` is the step it starts with
     Phase.FORWARD,
     Phase.BACKWARD,
     Phase.GATE,
@@ -145,6 +144,7 @@ INJECTABLE_PHASES: tuple[Phase, ...] = (
     Phase.RECOVERY,
     Phase.SAVE,
     Phase.REJOIN,
+    Phase.START,  # a relaunched job restoring its state, when ``step`` is the step it starts with
 )
 # Of those, the points of a plain (checkpoint-restart) step.
 PLAIN_PHASES: tuple[Phase, ...] = (Phase.FORWARD, Phase.BACKWARD, Phase.REDUCE, Phase.OPTIMIZER, Phase.SAVE)
