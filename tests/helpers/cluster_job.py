@@ -46,15 +46,7 @@ class ClusterJob:
             return 0
 
     def wait_for_step(self, step: int, timeout_s: float = 180) -> int:
-        deadline = time.monotonic() + timeout_s
-        while self.committed() < step:
-            state = self.cluster.job_state(self.id)
-            if time.monotonic() > deadline or state not in ("PENDING", "CONFIGURING", "RUNNING"):
-                self.cluster.run("scancel", self.id)
-                raise AssertionError(
-                    f"job {self.id} ({state}): no step {step} after {timeout_s}s\n{self.log()[-4000:]}"
-                )
-            time.sleep(0.05)
+        self.wait_until(lambda: self.committed() >= step, f"step {step}", timeout_s)
         return self.committed()
 
     def wait_until(self, condition: Callable[[], bool], what: str, timeout_s: float = 180) -> None:
