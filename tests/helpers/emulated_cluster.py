@@ -192,6 +192,7 @@ class EmulatedCluster(LocalSlurm):
         self._hosts_written = False
         self._slurmd: dict[str, subprocess.Popen] = {}
         self._frozen: set[str] = set()
+        self._dark: set[str] = set()  # powered off with their link dropped first
 
     # -- names and environments ------------------------------------------------------------------
     @property
@@ -526,10 +527,15 @@ exec nsenter --net="$ns" --uts=/proc/"$pid"/ns/uts --mount=/proc/"$pid"/ns/mnt -
                 raise ClusterError(f"{node.name}: processes survive SIGKILL for {timeout_s}s: {left}")
             time.sleep(0.1)
 
-    def power_off(self, node: str | Node, timeout_s: float = 15) -> list[int]:
+    def power_off(self, node: str | Node, timeout_s: float = 15, drop_link: bool = False) -> list[int]:
         """SIGKILL every process of ``node`` (slurmd, slurmstepd, prted, ranks); its ``/dev/shm``
-        goes with its last process. Returns the pids it found."""
+        goes with its last process. Returns the pids it found. ``drop_link``: the link goes down
+        first, as with a real power loss, so no peer gets a connection reset from the dying
+        processes: they learn of it only from silence."""
         n = self.get_node(node)
+        if drop_link:
+            self.cut_link(n)
+            self._dark.add(n.name)
         found = self.pids(n)
         self._kill_all(n, timeout_s)
         self._frozen.discard(n.name)
@@ -541,6 +547,9 @@ exec nsenter --net="$ns" --uts=/proc/"$pid"/ns/uts --mount=/proc/"$pid"/ns/mnt -
         n = self.get_node(node)
         if self.pids(n):
             raise ClusterError(f"{n.name} is not off: {self.pids(n)}")
+        if n.name in self._dark:
+            self.restore_link(n)
+            self._dark.discard(n.name)
         self._start_slurmd(n)
         if wait_idle_s:
             self.wait_nodes_idle([n.name], timeout_s=wait_idle_s)
