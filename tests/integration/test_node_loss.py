@@ -209,9 +209,14 @@ def test_frozen_node(cluster, tmp_path, plain):
     # Repaired in the step, replicas 0 and 2 go on; a relaunch numbers the replicas it runs 0, 1.
     replicas = relaunched[-1]["alive_replicas"] if relaunched else [0, 2]
     assert_trained_like_plain(job, plain, replicas)
-    last = fencing.read_token(job.run_dir)
+    # The newest job wrote the outcome and the last commit (the supervisor advances the token
+    # once more when that job ends, fencing nothing that still writes).
+    last = read_commit(job.run_dir).token
+    assert read_commit(job.run_dir).step == STEPS and last is not None
     assert read_outcome(job.run_dir)["token"] == last.as_record()
-    assert read_commit(job.run_dir).token == last and read_commit(job.run_dir).step == STEPS
+    assert last.generation == fencing.read_token(job.run_dir).generation - 1
+    if relaunched:
+        assert last.generation > first.generation
     assert "nanotron-recover job:" in log or not relaunched
     assert job.leftovers(cluster.names) == {}
     print(

@@ -316,8 +316,9 @@ def test_a_replica_lost_while_a_relaunch_restores_is_repaired_not_relaunched_aga
     SIGKILLed at the restore's start) while it restores from node memory. The survivor is repaired
     in place, like a rank lost at start-up, restores alone and trains to the end: one relaunch, not
     two, and the plain curve."""
-    # Whatever step the relaunch starts with (the kill's moment decides it), replica 1 dies there.
-    faults = [{"step": step, "replica": 1, "phase": "start"} for step in range(4, STEPS + 1)]
+    # Whatever step the relaunch starts with (the kill's moment, and whether commit.json already
+    # had the last step, decide it), replica 1 dies there; phase start strikes only relaunches.
+    faults = [{"step": step, "replica": 1, "phase": "start"} for step in range(1, STEPS + 1)]
     extra = ["recover.enabled=true", *HEARTBEAT, *layout(2, 1, 2, 4), f"recover.faults={json.dumps(faults)}"]
     job = BackgroundJob(tmp_path, cli_args("launch", tmp_path, sets_for(tmp_path, extra)))
     committed, _ = kill_every_rank(job, after_step=3)
