@@ -46,9 +46,12 @@ from typing import Any
 from .failures import Kind
 from .ft.liveness import LAUNCH_SUFFIX, RANK_SUFFIX
 from .ft.records import write_record
-from .host_probe import run_bounded
+from .host_probe import PROBE_TRY_S, run_bounded
 
-KILL_TRY_S = 10.0  # one srun that SIGKILLs a process on its node
+# One srun that SIGKILLs a process on its node: as long as a probe's try (a node that runs no
+# step within it is not one to wait for; measured: a 10 s bound made a dark power loss cost 10 s
+# more before the relaunch).
+KILL_TRY_S = PROBE_TRY_S
 # The ranks' own monitors act within timeout + period on a process that has a node-mate; the
 # supervisor waits this much longer before acting itself.
 GRACE_PERIODS = 2.0
