@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import describe, machine_info
+from common import describe, machine_info, write_json
 
 from nanotron_recover.chaos.kinds import LOCAL_KINDS
 from nanotron_recover.demo import tiny_config_path
@@ -81,7 +81,7 @@ def main() -> int:
         record["machine"] = machine
         record["benchmark"] = {"command": " ".join(cmd[1:]), "chaos_exit_status": rc}
         out.mkdir(parents=True, exist_ok=True)
-        (out / "chaos_local.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+        write_json(out / "chaos_local.json", record, indent=1)
         header = [
             f"{describe(machine)}. `python benchmarks/chaos.py --seed {args.seed} --faults {args.faults} "
             f"--steps {args.steps}`: {args.dp} replicas of the tiny model (hidden 32), re-join on, "

@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.helpers: the emulated cluster and its chaos target
 
-from common import describe, machine_info, markdown_table  # noqa: E402
+from common import describe, machine_info, markdown_table, portable, write_json  # noqa: E402
 
 from nanotron_recover.chaos.kinds import KINDS  # noqa: E402
 from nanotron_recover.chaos.report import markdown  # noqa: E402
@@ -323,8 +323,8 @@ def main() -> int:
         table = markdown(record).replace("# Chaos campaign\n", f"## Segment {k}\n")
         lines += ["", table]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "chaos.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    (args.out / "chaos.md").write_text("\n".join(lines).rstrip() + "\n")
+    write_json(args.out / "chaos.json", result, indent=1)
+    (args.out / "chaos.md").write_text(portable("\n".join(lines)).rstrip() + "\n")
     print((args.out / "chaos.md").read_text())
     t = result["totals"]
     return 0 if t["jobs_failed"] == 0 and t["jobs_completed_not_equal"] == 0 and t["hangs"] == 0 else 1

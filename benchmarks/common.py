@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,9 +49,32 @@ def markdown_table(columns: list[str], rows: list[list]) -> list[str]:
     return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
+REPO = Path(__file__).resolve().parents[1]
+# A run's scratch folder (tempfile's): its name changes from run to run and means nothing later.
+_SCRATCH = re.compile(re.escape(tempfile.gettempdir().rstrip("/")) + r"/[^/\s\"']+")
+
+
+def portable(value: Any) -> Any:
+    """``value`` with this machine's paths taken out of every string: the repository as ``.``, a
+    run's scratch folder as ``SCRATCH``; results are read on other machines."""
+    if isinstance(value, str):
+        return _SCRATCH.sub("SCRATCH", value.replace(str(REPO) + "/", "").replace(str(REPO), "."))
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable(v) for v in value]
+    return value
+
+
+def write_json(path: Path, data: Any, indent: int = 2) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(portable(json.loads(json.dumps(data, default=str))), indent=indent) + "\n")
+
+
 def write_report(out: Path, name: str, data: dict, lines: list[str]) -> None:
-    """``<out>/<name>.json`` with the raw results and ``<out>/<name>.md`` with ``lines``, printed."""
+    """``<out>/<name>.json`` with the raw results and ``<out>/<name>.md`` with ``lines``, printed;
+    both without this machine's paths (:func:`portable`)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(data, indent=2))
-    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    write_json(out / f"{name}.json", data)
+    (out / f"{name}.md").write_text(portable("\n".join(lines)) + "\n")
     print("\n".join(lines))
