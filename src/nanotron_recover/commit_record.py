@@ -16,7 +16,6 @@ that), not of the file server.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,14 +37,7 @@ def write_commit(run_dir: str | Path, step: int) -> None:
     an older job and OSError when the disk refuses."""
     mine = fencing.mine()
     record = {"step": int(step), "token": None if mine is None else mine.as_record(), "time": time.time()}
-    path = Path(run_dir) / FILENAME
-    tmp = path.with_name(f"{FILENAME}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    try:
-        fencing.guard(run_dir, FILENAME)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    fencing.publish_text(run_dir, Path(run_dir) / FILENAME, json.dumps(record) + "\n")
 
 
 def read_commit(run_dir: str | Path) -> CommitRecord | None:

@@ -187,3 +187,17 @@ def guard_adopted(what: str) -> None:
     it, e.g. a checkpoint folder elsewhere, is still the run's); nothing for a process without one."""
     if _adopted and _run_dir is not None:
         guard(_run_dir, what)
+
+
+def publish_text(run_dir: str | Path, path: str | Path, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically, fenced: written aside, then :func:`guard`, then
+    renamed (a reader sees the old file or the new one; an older job's process changes nothing).
+    Raises :class:`Fenced` or OSError; the aside file is gone either way."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        guard(run_dir, path.name)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

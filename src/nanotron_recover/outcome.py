@@ -58,22 +58,13 @@ def write_outcome(
         "time": time.time(),
         "token": None if fencing.mine() is None else fencing.mine().as_record(),
     }
-    path = Path(run_dir) / FILENAME
-    tmp = path.with_name(f"{FILENAME}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps(record) + "\n")
-        fencing.guard(run_dir, FILENAME)
-        os.replace(tmp, path)
+        fencing.publish_text(run_dir, Path(run_dir) / FILENAME, json.dumps(record) + "\n")
         return True
     except fencing.Fenced as e:
         print(f"[nanotron-recover] {e}", file=sys.stderr, flush=True)
-        tmp.unlink(missing_ok=True)
         return False
     except OSError:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
         return False
 
 

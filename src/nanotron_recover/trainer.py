@@ -394,13 +394,7 @@ class DistributedTrainer:
         folder = self.run_dir / "parameters"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"replica{self.dp_mode.replica_id()}_{self.engine.digest_name}.sha256"
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(digest + "\n")
-        try:
-            fencing.guard(self.run_dir, f"parameters/{path.name}")  # an older job's rank: nothing
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        fencing.publish_text(self.run_dir, path, digest + "\n")  # an older job's rank: nothing
         return path
 
     def _stop_reporting(self) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -36,13 +35,7 @@ class MetricsWriter:
             kept = [r for r in kept if r["step"] <= truncate_after_step]
         # Rewritten aside and renamed: a reader (the supervisor, a live view) never sees it half
         # written, and a writer of an older job (fencing.py) never replaces it.
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        try:
-            fencing.guard(self.path.parent, self.path.name)
-            os.replace(tmp, self.path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        fencing.publish_text(self.path.parent, self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self.last_step = max((r["step"] for r in kept), default=0)
         self._file = self.path.open("a")
 
