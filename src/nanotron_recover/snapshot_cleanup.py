@@ -37,20 +37,17 @@ PREFIX = "nanotron-recover snapshots clean"
 
 def add_snapshots_arguments(parser: argparse.ArgumentParser) -> None:
     """``nanotron-recover snapshots clean ...``: the action, then the run it acts on."""
+    from .config import add_config_arguments
+
     parser.add_argument(
         "action",
         choices=["clean"],
         help="clean: remove one run's node-memory snapshots on this host, only inside this user's "
         "private snapshot folder, and say what was removed (exit 0 also when there was nothing)",
     )
-    parser.add_argument("--config", help="the run's YAML config (its run id and recover.snapshot.dir)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="the run's --set overrides, as given to train (they may change its run id)",
+    # The run's config and its --set overrides, as given to train (they make its run id).
+    add_config_arguments(
+        parser, required=False, config_help="the run's YAML config (its run id and recover.snapshot.dir)"
     )
     parser.add_argument("--run-dir", help="the run directory given to train (with --config)")
     parser.add_argument("--run-id", help="the run's snapshot id instead of --config and --run-dir")

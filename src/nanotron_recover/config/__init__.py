@@ -34,9 +34,14 @@ from .schema import (
 from .validate import check_world_size, config_notes, launched_replicas, validate_config
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--config`` and the repeatable ``--set KEY=VALUE`` of every command that reads a config."""
-    parser.add_argument("--config", required=True, help="YAML config (Nanotron schema + recover:)")
+def add_config_arguments(
+    parser: argparse.ArgumentParser,
+    required: bool = True,
+    config_help: str = "YAML config (Nanotron schema + recover:)",
+) -> None:
+    """``--config`` and the repeatable ``--set KEY=VALUE`` of every command that reads a config
+    (``required=False``: a command that can also work without one)."""
+    parser.add_argument("--config", required=required, help=config_help)
     parser.add_argument(
         "--set",
         dest="overrides",
