@@ -282,6 +282,24 @@ TINY_TMPFS_WRITER = textwrap.dedent(
 )
 
 
+def run_in_private_tmpfs(tmp_path: Path, size: str, script: str, **env: str) -> subprocess.CompletedProcess:
+    """Run ``script`` (given the folder as its argument) on a tmpfs of ``size`` mounted in a mount
+    namespace of its own: nothing outside the test sees it, and it goes with the process."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (tmp_path / "writer.py").write_text(script)
+    mount = (
+        f"mount -t tmpfs -o size={size} tmpfs {shm} && exec {sys.executable} {tmp_path / 'writer.py'} {shm}"
+    )
+    return subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, **env),
+    )
+
+
 @pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare for a private tmpfs"
 )
@@ -290,23 +308,7 @@ def test_a_tmpfs_too_small_skips_the_snapshot_instead_of_killing_the_rank(tmp_pa
     snapshot with a warning. Written through a sparse mapping it was a SIGBUS that killed the rank
     at step 1. Here a 1 MiB tmpfs, mounted in a mount namespace of the test's own, takes an 8 MB
     state."""
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    (tmp_path / "writer.py").write_text(TINY_TMPFS_WRITER)
-    proc = subprocess.run(
-        [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            f"mount -t tmpfs -o size=1m tmpfs {shm} && exec {sys.executable} {tmp_path / 'writer.py'} {shm}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_in_private_tmpfs(tmp_path, "1m", TINY_TMPFS_WRITER)
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)  # -7 / 135: SIGBUS
     lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines())
     assert lines["statvfs"].startswith("SnapshotSkipped node snapshot skipped: it needs 7.6 MiB"), lines
@@ -347,24 +349,8 @@ def test_without_max_mb_a_snapshot_over_half_the_tmpfs_for_the_node_is_skipped(t
     """recover.snapshot.max_mb unset: on an 8 MiB tmpfs with two ranks on the node, a 1.5 MiB state
     (two slots per rank: 6 MiB in all) is over half the room and skipped, with the same message at
     every step (warned once); a 0.75 MiB state is written; a cap of one's own replaces the default."""
+    proc = run_in_private_tmpfs(tmp_path, "8m", DEFAULT_CAP_WRITER, OMPI_COMM_WORLD_LOCAL_SIZE="2")
     shm = tmp_path / "shm"
-    shm.mkdir()
-    (tmp_path / "writer.py").write_text(DEFAULT_CAP_WRITER)
-    proc = subprocess.run(
-        [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            f"mount -t tmpfs -o size=8m tmpfs {shm} && exec {sys.executable} {tmp_path / 'writer.py'} {shm}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, OMPI_COMM_WORLD_LOCAL_SIZE="2"),
-    )
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
     lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines())
     assert lines["ranks"] == "2", lines
