@@ -318,3 +318,42 @@ def test_spare_node_lost_during_a_rejoin(cluster, tmp_path, plain):
     assert not any(i["kind"] == "rejoin" and i["status"] == "joined" for i in read_incidents(job.run_dir)[:2])
     assert job.leftovers([n for n in cluster.names if n != spare]) == {}
     print(f"spare {spare} lost at step {spawned_at_step}; incidents {kinds}")
+
+
+def test_a_second_replica_lost_in_one_launch_comes_back_by_a_relaunch(cluster, tmp_path, plain):
+    """Two replicas lost one after the other (injected faults at steps 4 and 12) in one launch that
+    spans hosts. The first comes back by a spawn onto the spare node. Open MPI 5.0.x cannot start a
+    second spawn of a launch across hosts (the new process cannot reach the job and dies in
+    MPI_Init while the members wait for it: 30-50 s narrower in a campaign), so the second comes
+    back by a relaunch at full width from node memory at the next boundary
+    (``recover.rejoin.spawns_across_hosts``), no step redone.
+
+    Open MPI's runtime may also lose a node's daemon around a spawn or a death after one, and end
+    the job; the supervisor then relaunches it from node memory, which is as good. So the test
+    checks what holds either way: each loss leaves the job narrower for its own step and the next
+    only, no launch spawns twice, no re-join fails. Without the limit it fails whenever a launch
+    gets to its second spawn."""
+    extra = [
+        "recover.rejoin.mode=spawn",
+        "recover.faults=[{step: 4, replica: 1, phase: forward}, {step: 12, replica: 2, phase: forward}]",
+        "recover.rejoin.join_timeout_s=120",
+    ]
+    job = ClusterJob(cluster, tmp_path, CONFIG, sets(extra), nodes=3, spares=1)
+    log = job.finish()
+
+    assert_trained_like_plain(job, plain, [0, 1, 2])
+    incidents = read_incidents(job.run_dir)
+    narrow = [m["step"] for m in read_metrics(job.run_dir) if m["replicas"] < DP]
+    assert set(narrow) <= {4, 5, 12, 13}, (narrow, incidents)
+    spawns_per_launch, relaunches = [0], []
+    for incident in incidents:
+        if incident["kind"] in ("regrow", "job_lost", "node_lost", "stalled"):
+            spawns_per_launch.append(0)
+            relaunches.append(incident)
+        elif incident["kind"] == "rejoin":
+            assert incident["status"] == "joined", (incident, log[-4000:])
+            spawns_per_launch[-1] += 1
+    assert max(spawns_per_launch) == 1, (spawns_per_launch, incidents)
+    assert relaunches and all(i["steps_redone"] == 0 for i in relaunches), relaunches
+    print(f"relaunches {[(i['kind'], i['step']) for i in relaunches]}; spawns per launch {spawns_per_launch}")
+    assert job.leftovers(cluster.names) == {}

@@ -142,6 +142,8 @@ class Rejoin:
                 )
             if not decision.replicas:
                 return
+            if self._regrow_instead_of_spawn(decision.replicas, step):
+                return
             try:
                 s.phase = Phase.REJOIN
                 _, stop = s.ftc.agree(True, stop=self.stops.bits(), kind="join")
@@ -219,6 +221,25 @@ class Rejoin:
                     )
                 return None
             return self._finish_join(pending)
+
+    def _regrow_instead_of_spawn(self, replicas: tuple[int, ...], step: int) -> bool:
+        """Whether ``replicas`` come back by a full-width relaunch rather than a spawn: once the
+        launch spans hosts and has used ``recover.rejoin.spawns_across_hosts`` spawns, a further
+        spawn of Open MPI 5.0.x cannot reach the job (see the field). Decided alike on every member
+        (the book and the processes' hosts are alike); the stop is asked once."""
+        s = self.s
+        hosts = {p.host for p in s.ftc.processes}
+        if len(hosts) < 2 or self.book.spawns < s.args.rejoin.spawns_across_hosts or not self.may_regrow():
+            return False
+        self.stops.request(
+            StopRun(
+                Kind.REGROW,
+                f"replicas {list(replicas)} come back by a full-width relaunch from node memory after step "
+                f"{step}: this launch spans {len(hosts)} hosts and used its {self.book.spawns} spawn(s) "
+                "(recover.rejoin.spawns_across_hosts)",
+            )
+        )
+        return True
 
     def may_regrow(self) -> bool:
         """Whether a re-join that cannot be placed is made good by a relaunch at full width: only
