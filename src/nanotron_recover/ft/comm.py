@@ -134,6 +134,7 @@ import numpy as np
 
 from .failstop import fail_stop
 from .membership import Membership, shrink_world, split_derived
+from .partition import PartitionGuard
 from .processes import ProcessInfo, this_process
 from .topology import RankCoords, Topology
 from .ulfm import FAULT_ERROR_CLASSES, MPI, free_comm, is_fault
@@ -295,6 +296,8 @@ class FaultTolerantComm:
         # The last step this rank committed (set by the step transaction): gathered at the end of
         # every recovery, so that a rank whose commit agree raised learns whether others returned.
         self.last_commit = -1
+        # Set by the training mode: judges which side of a cut network goes on (.partition).
+        self.partition_guard: PartitionGuard | None = None
 
     def _start_watch(
         self, base: MPI.Comm, on_failure_notice: Callable[[list[int], float], None] | None
@@ -560,6 +563,21 @@ class FaultTolerantComm:
         if self._fault_hook is not None:
             self._fault_hook(point)
 
+    def _stop_if_cut_off(self, result: RecoveryResult) -> None:
+        """Fail-stop if this rank's side of the recovery is the smaller side of a cut network."""
+        assert self.partition_guard is not None
+        verdict = self.partition_guard.check(
+            self._alive_ranks, result.failed_ranks, self.processes, result.detected_at
+        )
+        if verdict.smaller:
+            self._closed = True
+            self.stop_watch()
+            fail_stop(
+                f"rank {self.rank} is cut off from the job: ranks {list(verdict.beating)}, declared failed, "
+                f"still beat, and they outnumber this side's {len(self._alive_ranks) - len(result.failed_ranks)} "
+                "rank(s): this side stops, the other goes on"
+            )
+
     def _recover(self, trigger: str, *, detect_s: float, entry_agree: bool) -> RecoveryResult:
         # 1-3. Revoke, entry agree, rounds until one commits (.membership; changes nothing here).
         new = shrink_world(self, trigger, detect_s=detect_s, entry_agree=entry_agree)
@@ -583,6 +601,8 @@ class FaultTolerantComm:
                 f"epoch {result.old_epoch} -> {result.new_epoch}"
             )
 
+        if self.partition_guard is not None:
+            self._stop_if_cut_off(result)
         assert new.global_comm is not None and new.membership is not None
         self.install(new.global_comm, new.replica_comm, new.dp_comm, new.membership)
         for comm in new.spent:

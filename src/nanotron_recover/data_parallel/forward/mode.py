@@ -114,6 +114,7 @@ class ForwardRecovery:
                 self.abort(error)
                 raise
             self.members.watch_spawned_processes()
+            self._guard_partitions()
             return joined.world, joined.ctx, joined
         launched = launched_replicas(s.cfg, MPI.COMM_WORLD.Get_size(), relaunched=s.generation > 0)
         # A replica is p.inner x p.pp ranks: tp ranks (3D) or shard ranks (HSDP) along the inside.
@@ -125,7 +126,15 @@ class ForwardRecovery:
         if s.ftc.rank == 0:
             self.members.write_rank_table()
         self.members.watch_spawned_processes()
+        self._guard_partitions()
         return world, ctx, self._restore(world, ctx) if s.generation > 0 else None
+
+    def _guard_partitions(self) -> None:
+        """Every process beats a heartbeat file from here on: a recovery can tell a cut-off side
+        of the job from a dead one (``ft/partition.py``)."""
+        from ...ft.partition import PartitionGuard
+
+        self.s.ftc.partition_guard = PartitionGuard(self.s.run_dir, self.s.args.heartbeat_period_s)
 
     def _comm_fault_point(self, point: str) -> None:
         """Injected faults at the communicator's own points: a member dying inside the re-join's
