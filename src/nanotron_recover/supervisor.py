@@ -265,7 +265,7 @@ def run_supervised(
     on_end: Callable[[], None] | None = None,
 ) -> Supervised:
     """Run ``cmd`` (usually mpirun) in a session of its own until it exits, or until ``grace_s``
-    after the run recorded that it completed; then end whatever of it is left. With ``deadline``,
+    after the run recorded that it completed or stopped to regrow; then end whatever of it is left. With ``deadline``,
     a job that commits no step within its bound (``commit_deadline.py``) is ended too
     (:attr:`Supervised.stalled`); with ``lost_hosts``, so is one whose lost ranks' host no longer
     answers (``lost_hosts.py``; :attr:`Supervised.hosts_gone`), and with ``frozen`` one whose frozen
@@ -327,7 +327,12 @@ def run_supervised(
                     f"the job gave itself up ({abandoned.get('reason')}): ended {', '.join(ended) or 'mpirun'}"
                 )
                 break
-            stalled = watch.poll(now) if recorded_at is None and read_outcome(run_dir) is None else None
+            outcome = read_outcome(run_dir) if recorded_at is None else None
+            # A completed run, or one that stopped to regrow (agreed by every rank), is ending: the
+            # grace below bounds its exit. Any other stopped record may come from one rank while
+            # the others save their checkpoint or go on: the commit deadline still holds them.
+            ending = outcome is not None and (outcome.get("status") == "completed" or asks_regrow(outcome))
+            stalled = watch.poll(now) if recorded_at is None and not ending else None
             if stalled is not None:
                 # A member stuck where no deadline of its own may end it: the job is relaunched.
                 exited_at = job_ended()
@@ -355,10 +360,7 @@ def run_supervised(
                 log(f"{hosts_gone}: ended {', '.join(ended) or 'mpirun'} to relaunch without them")
                 break
             if recorded_at is None:
-                # Only a completed run: a stopped record may come from one rank while the others
-                # still save their checkpoint or go on without it.
-                outcome = read_outcome(run_dir)
-                if outcome is not None and outcome.get("status") == "completed":
+                if ending:
                     recorded_at = now
             elif now - recorded_at > grace_s:
                 exited_at = job_ended()
