@@ -14,7 +14,11 @@ cluster target (``tests/helpers/chaos_cluster.py``) and sends, from outside, at 
   (``frozen_processes.py``), long before the commit deadline (``recover.commit_timeout_s``);
 - a SIGKILL of two ranks on two different nodes (the re-join needs two free slots);
 - a power loss of a third node (every process of it, its ``/dev/shm`` with them), powered on again
-  a while later: the supervisor relaunches the job from node memory.
+  a while later: the supervisor relaunches the job from node memory;
+- a SIGSTOP of rank 1, then of rank 2, each on its own node (added to the seed's draw): with the
+  freeze of rank 0 on a spare, every node a rank runs on (the batch host excepted) has had a frozen
+  rank, spawned or launched, before and after earlier failures, re-joins and relaunches; each must
+  be found by the heartbeats (a ``hang``), never by the commit deadline.
 
 The test reads only the campaign's ``chaos.json``: the Slurm job COMPLETED with exit status 0,
 every step the plain run's micro-batch ids and loss bit for bit, three replicas at the end, a
@@ -23,13 +27,14 @@ recorded reaction to every fault, and each fault's time to the next commit (prin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
 
 import pytest
 
-from nanotron_recover.chaos.schedule import draw_schedule
+from nanotron_recover.chaos.schedule import PlannedFault, Victim, draw_schedule
 from tests.helpers.chaos_cluster import run_cluster_campaign
 from tests.helpers.emulated_cluster import cluster_fixture
 from tests.helpers.mpirun_utils import REPO
@@ -42,7 +47,7 @@ N_NODES = 6 if (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) >> 30 
 emulated = cluster_fixture(scope="module", n_nodes=N_NODES, cpus_per_node=2, slurmd_timeout_s=120)
 
 CONFIG = REPO / "configs" / "tiny_cpu.yaml"
-DP, STEPS = 3, 140
+DP, STEPS = 3, 160
 SEED, KINDS = 93, ["kill", "freeze", "kill_two", "node_power_off"]
 FIRST, LAST, GAP = 8, 110, 25
 NEXT_COMMIT_BOUND_S = 30.0  # the bound for any fault (its goal: 15 s)
@@ -85,6 +90,12 @@ def test_seeded_campaign_on_the_cluster(emulated, tmp_path):
         ("kill_two", [0, 1]),
         ("node_power_off", [2]),
     ]
+    # Then rank 1 and rank 2 frozen, each on its node.
+    extra = tuple(
+        PlannedFault(index=4 + i, kind="freeze", step=step, delay=0.3, victims=(Victim(replica=replica),))
+        for i, (step, replica) in enumerate([(108, 1), (133, 2)])
+    )
+    schedule = dataclasses.replace(schedule, faults=schedule.faults + extra)
     record = run_cluster_campaign(
         emulated,
         tmp_path,
@@ -93,7 +104,7 @@ def test_seeded_campaign_on_the_cluster(emulated, tmp_path):
         schedule,
         nodes=DP,
         spares=N_NODES - DP,
-        timeout_s=330,
+        timeout_s=450,
         restore_after_s=15,
     )
     totals, faults, slurm = record["totals"], record["faults"], record["slurm"]
@@ -117,9 +128,9 @@ def test_seeded_campaign_on_the_cluster(emulated, tmp_path):
     assert totals["final_replicas"] == DP
 
     # Every fault sent, with a recorded reaction, and the next commit within the bound.
-    assert totals["faults_sent"] == 4 and not record["unsent"]
-    assert totals["faults_with_reaction"] == 4
-    by_kind = {f["kind"]: f for f in faults}
+    assert totals["faults_sent"] == 6 and not record["unsent"]
+    assert totals["faults_with_reaction"] == 6
+    by_kind = {f["kind"]: f for f in faults[:4]}
     batch = slurm["batch_host"]
     kill, freeze = by_kind["kill"], by_kind["freeze"]
     assert kill["target"][0]["rank"] == 0 and "crash" in kill["incident_kinds"]
@@ -133,6 +144,15 @@ def test_seeded_campaign_on_the_cluster(emulated, tmp_path):
     assert power["signals"][0]["node"] != batch
     assert any(k in ("node_lost", "job_lost", "stalled") for k in power["incident_kinds"]), power
     assert all(e["restored_after_s"] is not None for e in record["node_faults"]), record["node_faults"]
+    # A freeze on every node a rank runs on: rank 0 spawned on a spare (above), rank 1 and rank 2
+    # on their nodes, each found by the heartbeats.
+    frozen = [f for f in faults if f["kind"] == "freeze"]
+    assert sorted(f["target"][0]["rank"] for f in frozen) == [0, 1, 2], frozen
+    assert len({f["signals"][0]["host"] for f in frozen}) == 3 and batch not in {
+        f["signals"][0]["host"] for f in frozen
+    }
+    for f in frozen:
+        assert "hang" in f["incident_kinds"] and "stalled" not in f["incident_kinds"], f
     for fault in faults:
         assert fault["to_next_commit_s"] is not None, fault
         assert 0 <= fault["to_next_commit_s"] <= NEXT_COMMIT_BOUND_S, fault
