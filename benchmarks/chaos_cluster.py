@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -225,6 +226,8 @@ def summary_lines(result: dict, args: argparse.Namespace, machine: dict) -> list
 
 
 def main() -> int:
+    # A SIGTERM ends the campaign like Ctrl-C: the cluster's context manager tears it down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument("--faults", type=int, default=44)
