@@ -566,15 +566,15 @@ class FaultTolerantComm:
     def _stop_if_cut_off(self, result: RecoveryResult) -> None:
         """Fail-stop if this rank's side of the recovery is the smaller side of a cut network."""
         assert self.partition_guard is not None
-        verdict = self.partition_guard.check(
-            self._alive_ranks, result.failed_ranks, self.processes, result.detected_at
-        )
+        # The members before the failure: ranks of alive replicas and parked ranks alike.
+        before = sorted(set(self._alive_ranks) | set(self._parked_ranks))
+        verdict = self.partition_guard.check(before, result.failed_ranks, self.processes, result.detected_at)
         if verdict.smaller:
             self._closed = True
             self.stop_watch()
             fail_stop(
                 f"rank {self.rank} is cut off from the job: ranks {list(verdict.beating)}, declared failed, "
-                f"still beat, and they outnumber this side's {len(self._alive_ranks) - len(result.failed_ranks)} "
+                f"still beat, and they outnumber this side's {len(before) - len(result.failed_ranks)} "
                 "rank(s): this side stops, the other goes on"
             )
 
