@@ -14,11 +14,17 @@ import os
 import sys
 from pathlib import Path
 
-from .config import HFDatasetArgs, NanosetDatasetsArgs, add_config_arguments, load_config
-from .errors import ExitCode, InputError, StopRun
-from .launcher import default_run_dir, launch, target_step_of
-from .outcome import SUPERVISED_ENV, read_outcome, write_outcome
-from .supervisor import last_committed_step
+# A process spawned by a re-join beats before the imports below (seconds on a busy node): the
+# members give a join up when a spawned process has not started beating in time (ft/spawn_start.py).
+from .ft.spawn_start import beat_if_spawned
+
+beat_if_spawned()
+
+from .config import HFDatasetArgs, NanosetDatasetsArgs, add_config_arguments, load_config  # noqa: E402
+from .errors import ExitCode, InputError, StopRun  # noqa: E402
+from .launcher import default_run_dir, launch, target_step_of  # noqa: E402
+from .outcome import SUPERVISED_ENV, read_outcome, write_outcome  # noqa: E402
+from .supervisor import last_committed_step  # noqa: E402
 
 
 # -- train ------------------------------------------------------------------------------------

@@ -79,8 +79,12 @@ def start_heartbeat(
     run_dir: str | Path, period_s: float, launched: bool = False, path: Path | None = None
 ) -> threading.Thread:
     """Touch this process's heartbeat file (or ``path``) every ``period_s`` from a daemon thread,
-    starting now."""
+    starting now. A file this process already beats to keeps its thread (a spawned process
+    starts beating in ``spawn_start.py``, before its imports, and again once it runs)."""
     path = path or heartbeat_file(run_dir, socket.gethostname(), os.getpid(), launched)
+    key = os.path.abspath(path)
+    if key in _beating and _beating[key].is_alive():
+        return _beating[key]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch()  # exists before this returns: a monitor may look at once
 
@@ -94,7 +98,11 @@ def start_heartbeat(
 
     thread = threading.Thread(target=beat, name="spawned-heartbeat", daemon=True)
     thread.start()
+    _beating[key] = thread
     return thread
+
+
+_beating: dict[str, threading.Thread] = {}  # heartbeat file -> the thread that touches it
 
 
 def alone_in_world() -> bool:

@@ -194,12 +194,13 @@ class Rejoin:
             expected=len(plan.new_ranks) if plan is not None else 0,
             period_s=s.args.heartbeat_period_s,
             timeout_s=s.args.heartbeat_timeout_s,
-            start_s=members_wait_s(s.args),
+            start_s=spawn_start_s(s.args),
             on_lost=self.members.give_up_join,
         )
         with s.watchdog.phase(REJOIN_PHASE, s.args.rejoin.join_timeout_s), watch:
             try:
-                pending = begin_join(s.ftc, plan, spawn_command(), self._spawn_info(), payload)
+                command = spawn_command(s.run_dir, s.args.heartbeat_period_s)
+                pending = begin_join(s.ftc, plan, command, self._spawn_info(), payload)
             except JoinFailed as failed:
                 if replicas is not None:
                     self.book.attempted(
@@ -367,11 +368,25 @@ def members_wait_s(args: Any) -> float:
     return min(args.rejoin.join_timeout_s, max(30.0, 6 * args.heartbeat_timeout_s))
 
 
-def spawn_command() -> list[str]:
-    """How a replacement process starts: this rank's own command line, through the CLI, with this
+def spawn_start_s(args: Any) -> float:
+    """How long the members of a re-join wait for each spawned process's first heartbeat: it
+    beats before its imports (``ft/spawn_start.py``), so two heartbeat timeouts (at least 15 s)
+    cover its launch on a busy node; at most the join's own deadline."""
+    return min(args.rejoin.join_timeout_s, max(15.0, 2 * args.heartbeat_timeout_s))
+
+
+def spawn_command(run_dir: Any, period_s: float) -> list[str]:
+    """How a replacement process starts: this rank's own command line, through the CLI, with its
+    heartbeat file and period (it beats from its first moments: ``ft/spawn_start.py``) and this
     job's fencing token (``fencing.py``) in its environment: the runtime does not pass the job's
-    environment on to spawned processes on every launcher, and a replacement must not adopt a token
-    newer than the job that made it."""
+    environment on to spawned processes on every launcher, and a replacement must not adopt a
+    token newer than the job that made it."""
+    from ...ft.spawn_start import ENV as BEAT_ENV
+    from ...ft.spawn_start import beat_value
+
     cmd = [sys.executable, "-m", "nanotron_recover.cli", *sys.argv[1:]]
+    env = [f"{BEAT_ENV}={beat_value(run_dir, period_s)}"]
     token = fencing.mine()
-    return cmd if token is None else ["env", f"{fencing.ENV}={token}", *cmd]
+    if token is not None:
+        env.append(f"{fencing.ENV}={token}")
+    return ["env", *env, *cmd]
