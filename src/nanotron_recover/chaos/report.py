@@ -29,11 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from ..compare import compare_pair, load_run
+from ..logging.watch import RELAUNCH_KINDS as WATCH_RELAUNCH_KINDS
 from .runner import CampaignRun
 from .schedule import Schedule
 
 REL_TOL = 1e-5
-RELAUNCH_KINDS = ("node_lost", "job_lost", "stalled")  # the supervisor relaunched the job
+# The supervisor relaunched the job (a regrow too: it was counted as a rank's failure before).
+RELAUNCH_KINDS = WATCH_RELAUNCH_KINDS
 JOB_KINDS = ("rejoin", *RELAUNCH_KINDS)  # incidents that are not a rank's failure
 
 
