@@ -32,7 +32,6 @@ process below it, nothing else.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -46,26 +45,13 @@ from typing import Any
 from ..config import Config
 from .kinds import KINDS
 from .schedule import PlannedFault, Schedule, Victim
-from .targets import LocalTarget, RankProcess, Target, process_alive, process_stopped
+from .strikes import Striker
+from .targets import LocalTarget, RankProcess, Target, process_alive
 from .watch import RunWatch
 
 # The supervisor's commit deadline (``commit_deadline.py``) ends a job that commits nothing for its
 # floor plus a few steps and relaunches it: a fault's recovery may take that long before a relaunch.
 DEADLINE_FLOOR_S = 60.0
-
-
-# How each victim of a kind is struck, in order (the target may spare a process for one way and not
-# another); a kind not named strikes with SIGKILL.
-STRIKES: dict[str, tuple[str, ...]] = {
-    "freeze": ("stop",),
-    "kill_during_recovery": ("stop", "kill"),
-    "node_power_off": ("node",),
-    "link_cut": ("node",),
-    "node_freeze": ("node",),
-}
-# What the report names a node fault's "signal" by: what the processes of the node get (a cut link
-# sends them nothing; SIGHUP, the signal of a line that hung up, stands for it).
-NODE_SIGNALS = {"node_power_off": signal.SIGKILL, "node_freeze": signal.SIGSTOP, "link_cut": signal.SIGHUP}
 
 
 class JobExited(Exception):
@@ -140,8 +126,6 @@ class Campaign:
         self.rejoin_on = rec.rejoin.mode == "spawn"
         self.hb_timeout = rec.heartbeat_timeout_s
         self.join_timeout = rec.rejoin.join_timeout_s
-        self.stopped: list[int] = []  # pids this campaign SIGSTOPped
-        self.last_signal_at: float | None = None
         self.kill_all_pending = False
         self.too_late = False
 
@@ -160,6 +144,7 @@ class Campaign:
         )
         self.target = self.target_factory(o.run_dir, self.proc.pid)
         self.watch = run.watch = RunWatch(o.run_dir, started_at=run.started_at)
+        self.strike = Striker(self.target, self.watch, self.cfg, o.run_dir)
         self.run_record = run
         try:
             faults = list(o.schedule.faults)
@@ -218,7 +203,7 @@ class Campaign:
         """Processes this campaign froze that still exist after the job ended: SIGKILLed here (each
         checked to still be a training process of this run directory)."""
         left = []
-        for pid in self.stopped:
+        for pid in self.strike.stopped:
             if not process_alive(pid):
                 continue
             try:
@@ -285,7 +270,9 @@ class Campaign:
         last_commit = w.last_commit_at()
         if last_commit is None or any(at > last_commit for at, _ in w.generations):
             allowances.append((self.o.start_allowance_s, "starting (or relaunched)"))
-        if self.last_signal_at is not None and (last_commit is None or self.last_signal_at > last_commit):
+        if self.strike.last_signal_at is not None and (
+            last_commit is None or self.strike.last_signal_at > last_commit
+        ):
             # Detection and repair; past them the job's own commit deadline (its floor and a few
             # steps) ends and relaunches a job held by a stuck member: that relaunch too.
             extra = 2 * self.hb_timeout + 10 + DEADLINE_FLOOR_S + self.o.start_allowance_s
@@ -377,114 +364,35 @@ class Campaign:
         record["to_next_commit_s"] = first.time - record["sent_at"]
         self.kill_all_pending = False
 
-    # -- looking up and signalling victims ----------------------------------------------------------
-    def _resolve(
-        self, victim: Victim, exclude: set[int], notes: list[str], how: str = "kill"
-    ) -> RankProcess | None:
-        """The process at ``victim``'s place now, or at the same local rank of the next alive replica
-        (also the next one when the target may not strike it ``how``: a cluster target spares the
-        node that runs ``mpirun``)."""
-        table = self.target.ranks()
-        for i in range(self.dp):
-            replica = (victim.replica + i) % self.dp
-            if replica in exclude:
-                continue
-            proc = table.get(replica * self.size + victim.local_rank)
-            if proc is not None and self.target.alive(proc) and not process_stopped(proc.pid):
-                if not self.target.can_strike(proc, how):
-                    notes.append(f"replica {replica} on {proc.host}: the target spares it ({how})")
-                    continue
-                if i:
-                    notes.append(f"replica {victim.replica} was down or spared: struck replica {replica}")
-                return proc
-        notes.append(f"no alive replica to strike for {victim}")
-        return None
-
-    def _signal(self, record: dict[str, Any], proc: RankProcess | None, sig: int, **extra: Any) -> bool:
-        if proc is None:
-            return False
-        ok = self.target.signal(proc, sig)
-        at = time.time()
-        record["signals"].append(
-            {
-                "sig": int(sig),
-                "rank": proc.rank,
-                "replica": proc.replica,
-                "pid": proc.pid,
-                "host": proc.host,
-                "at": at,
-                "sent": ok,
-                "step": self.watch.last_step + 1,
-                **extra,
-            }
-        )
-        if ok:
-            self.last_signal_at = at
-            if sig == signal.SIGSTOP:
-                self.stopped.append(proc.pid)
-        return ok
-
-    def _victims(self, fault: PlannedFault, record: dict[str, Any]) -> list[RankProcess | None]:
-        procs: list[RankProcess | None] = []
-        exclude: set[int] = set()
-        hows = STRIKES.get(fault.kind, ())
-        for n, victim in enumerate(fault.victims):
-            proc = self._resolve(victim, exclude, record["notes"], hows[n] if n < len(hows) else "kill")
-            procs.append(proc)
-            if proc is not None and proc.replica is not None:
-                exclude.add(proc.replica)
-        return procs
-
     # -- the kinds -------------------------------------------------------------------------------------
     def _send_node(self, fault: PlannedFault, record: dict[str, Any]) -> None:
-        """A node kind: the node of the drawn rank, struck by the target (which restores it later)."""
-        (proc,) = self._victims(fault, record)
-        if proc is None:
-            return
-        at = time.time()  # power off waits until the node's processes are gone: the fault began here
-        found = self.target.node_fault(fault.kind, proc)
-        record["signals"].append(
-            {
-                "sig": int(NODE_SIGNALS[fault.kind]),
-                "rank": proc.rank,
-                "replica": proc.replica,
-                "pid": proc.pid,
-                "at": at,
-                "sent": found is not None,
-                "step": self.watch.last_step + 1,
-                "node": proc.host,
-                "node_action": fault.kind,
-                "node_pids": found or [],
-            }
-        )
-        if found is not None:
-            self.last_signal_at = at
+        self.strike.node_fault(fault, record)
 
     _send_node_power_off = _send_node
     _send_link_cut = _send_node
     _send_node_freeze = _send_node
 
     def _send_kill(self, fault: PlannedFault, record: dict[str, Any]) -> None:
-        (proc,) = self._victims(fault, record)
-        self._signal(record, proc, signal.SIGKILL)
+        (proc,) = self.strike.victims(fault, record)
+        self.strike.signal(record, proc, signal.SIGKILL)
 
     def _send_freeze(self, fault: PlannedFault, record: dict[str, Any]) -> None:
-        (proc,) = self._victims(fault, record)
-        self._signal(record, proc, signal.SIGSTOP)
+        (proc,) = self.strike.victims(fault, record)
+        self.strike.signal(record, proc, signal.SIGSTOP)
 
     def _send_kill_two(self, fault: PlannedFault, record: dict[str, Any]) -> None:
-        for proc in self._victims(fault, record):
-            self._signal(record, proc, signal.SIGKILL)
+        for proc in self.strike.victims(fault, record):
+            self.strike.signal(record, proc, signal.SIGKILL)
 
     def _send_kill_all(self, fault: PlannedFault, record: dict[str, Any]) -> None:
         self.kill_all_pending = True
         for proc in sorted(self.target.ranks().values(), key=lambda p: p.rank or 0):
             if self.target.alive(proc):
-                self._signal(record, proc, signal.SIGKILL)
+                self.strike.signal(record, proc, signal.SIGKILL)
 
     def _send_kill_during_recovery(self, fault: PlannedFault, record: dict[str, Any]) -> None:
-        frozen, other = self._victims(fault, record)
-        if not self._signal(record, frozen, signal.SIGSTOP):
+        frozen, other = self.strike.victims(fault, record)
+        if not self.strike.signal(record, frozen, signal.SIGSTOP):
             return
         w, t0 = self.watch, time.time()
         incidents = len(w.incidents)
@@ -496,11 +404,13 @@ class Campaign:
 
         self._wait(waiting, "the survivors waiting on the frozen rank", timeout=2 * self.hb_timeout + 5)
         in_window = len(w.incidents) == incidents and w.generation == record["generation_before"]
-        self._signal(record, other, signal.SIGKILL, in_window=in_window, after_freeze_s=time.time() - t0)
+        self.strike.signal(
+            record, other, signal.SIGKILL, in_window=in_window, after_freeze_s=time.time() - t0
+        )
 
     def _send_kill_during_rejoin(self, fault: PlannedFault, record: dict[str, Any]) -> None:
-        first, member = self._victims(fault, record)
-        if not self._signal(record, first, signal.SIGKILL):
+        first, member = self.strike.victims(fault, record)
+        if not self.strike.signal(record, first, signal.SIGKILL):
             return
         w, incidents = self.watch, len(self.watch.incidents)
         crash_seen = self._wait(lambda: len(w.incidents) > incidents, "the crash's incident", timeout=60)
@@ -527,7 +437,7 @@ class Campaign:
             victim = RankProcess(
                 first.rank if first else None, first.replica if first else None, victim.host, victim.pid
             )
-        self._signal(record, victim, signal.SIGKILL, in_window=in_window, role=fault.role)
+        self.strike.signal(record, victim, signal.SIGKILL, in_window=in_window, role=fault.role)
 
     def _send_kill_during_save(self, fault: PlannedFault, record: dict[str, Any]) -> None:
         ck = self.cfg.checkpoints
@@ -543,34 +453,19 @@ class Campaign:
             record["notes"].append("no checkpoint save seen in time")
         alive = sorted({p.replica for p in self.target.ranks().values() if self.target.alive(p)} - {None})
         writer = alive[0] if alive else 0
-        proc = self._resolve(Victim(writer, fault.victims[0].local_rank), set(), record["notes"])
+        proc = self.strike.resolve(Victim(writer, fault.victims[0].local_rank), set(), record["notes"])
         in_window = any(folder.glob("step_*.tmp"))
-        self._signal(record, proc, signal.SIGKILL, in_window=in_window, writer_replica=writer)
+        self.strike.signal(record, proc, signal.SIGKILL, in_window=in_window, writer_replica=writer)
 
     def _send_kill_during_snapshot(self, fault: PlannedFault, record: dict[str, Any]) -> None:
-        (proc,) = self._victims(fault, record)
+        (proc,) = self.strike.victims(fault, record)
         if proc is None:
             return
         w = self.watch
         commits = len(w.commits)
         self._wait(lambda: len(w.commits) > commits, "a commit", timeout=self._base_bound(), interval=0.001)
-        unpublished = self._unpublished_slot(proc)
-        self._signal(record, proc, signal.SIGKILL, in_window=unpublished)
-
-    def _unpublished_slot(self, proc: RankProcess) -> bool:
-        """Whether one of ``proc``'s node-memory snapshot slots is being written (no
-        ``published.json`` in it): ``<snapshot.dir>/<run id>-<hash of the run dir>/c<local>/r<replica>``."""
-        if proc.rank is None or proc.replica is None:
-            return False
-        where = hashlib.sha256(str(self.o.run_dir.resolve()).encode()).hexdigest()[:8]
-        # Seen from the rank's own mount namespace: an emulated node's /dev/shm is its own.
-        root = Path(f"/proc/{proc.pid}/root") / Path(self.cfg.recover.snapshot.dir).relative_to("/")
-        mine = f"c{proc.rank % self.size}/r{proc.replica}"
-        for run_root in root.glob(f"*-{where}"):
-            for slot in (run_root / mine).glob("slot*"):
-                if not (slot / "published.json").exists():
-                    return True
-        return False
+        unpublished = self.strike.unpublished_slot(proc)
+        self.strike.signal(record, proc, signal.SIGKILL, in_window=unpublished)
 
 
 def needs_of(kinds: list[str] | tuple[str, ...], cfg: Config, target: Target | None = None) -> list[str]:

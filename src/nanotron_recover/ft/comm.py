@@ -133,6 +133,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from .failstop import fail_stop
+from .grid_position import GridPosition
 from .membership import Membership, shrink_world, split_derived
 from .partition import PartitionGuard
 from .processes import ProcessInfo, this_process
@@ -188,7 +189,7 @@ def _launched(tp: int, pp: int, n_replicas: int, launched_replicas: int | None, 
     return launched
 
 
-class FaultTolerantComm:
+class FaultTolerantComm(GridPosition):
     """Membership, world epochs and fault-tolerant DP reductions for one rank.
 
     Args:
@@ -363,37 +364,6 @@ class FaultTolerantComm:
         return self._dp_comm
 
     @property
-    def rank(self) -> int:
-        """This process's logical rank: its place in the grid (never changes)."""
-        return self.coords.rank
-
-    @property
-    def replica(self) -> int:
-        return self.coords.replica
-
-    @property
-    def local_rank(self) -> int:
-        return self.coords.local_rank
-
-    @property
-    def pp_rank(self) -> int:
-        return self.coords.pp
-
-    @property
-    def tp_rank(self) -> int:
-        return self.coords.tp
-
-    @property
-    def dp_rank(self) -> int:
-        """Rank in the current DP communicator (position of this replica among the alive ones)."""
-        return self._dp_comm.Get_rank()
-
-    @property
-    def dp_size(self) -> int:
-        """Members of the current DP communicator (= number of alive replicas)."""
-        return self._dp_comm.Get_size()
-
-    @property
     def park_orphans(self) -> bool:
         """The alive ranks of a failed replica park instead of leaving (``recover.rejoin``)."""
         return self._park_orphans
@@ -563,21 +533,6 @@ class FaultTolerantComm:
         if self._fault_hook is not None:
             self._fault_hook(point)
 
-    def _stop_if_cut_off(self, result: RecoveryResult) -> None:
-        """Fail-stop if this rank's side of the recovery is the smaller side of a cut network."""
-        assert self.partition_guard is not None
-        # The members before the failure: ranks of alive replicas and parked ranks alike.
-        before = sorted(set(self._alive_ranks) | set(self._parked_ranks))
-        verdict = self.partition_guard.check(before, result.failed_ranks, self.processes, result.detected_at)
-        if verdict.smaller:
-            self._closed = True
-            self.stop_watch()
-            fail_stop(
-                f"rank {self.rank} is cut off from the job: ranks {list(verdict.beating)}, declared failed, "
-                f"still beat, and they outnumber this side's {len(before) - len(result.failed_ranks)} "
-                "rank(s): this side stops, the other goes on"
-            )
-
     def _recover(self, trigger: str, *, detect_s: float, entry_agree: bool) -> RecoveryResult:
         # 1-3. Revoke, entry agree, rounds until one commits (.membership; changes nothing here).
         new = shrink_world(self, trigger, detect_s=detect_s, entry_agree=entry_agree)
@@ -602,7 +557,9 @@ class FaultTolerantComm:
             )
 
         if self.partition_guard is not None:
-            self._stop_if_cut_off(result)
+            # The members before the failure: ranks of alive replicas and parked ranks alike.
+            before = sorted(set(self._alive_ranks) | set(self._parked_ranks))
+            self.partition_guard.stop_if_smaller_side(self.rank, before, result, self.processes)
         assert new.global_comm is not None and new.membership is not None
         self.install(new.global_comm, new.replica_comm, new.dp_comm, new.membership)
         for comm in new.spent:

@@ -15,9 +15,9 @@ The rule, on each survivor of a committed recovery (:meth:`PartitionGuard.check`
 
 - a side holding a strict majority of the ranks alive before the failure goes on at once;
 - any other side watches the files of the failed ranks on other hosts for two heartbeat periods
-  after the failure surfaced (a process on its own host is on its side of any cut). If the failed ranks that beat after that moment outnumber its own ranks (on a tie:
-  if they hold the lowest rank), it is the smaller side of a cut and its ranks fail-stop before
-  they write anything. Otherwise the failed ranks are really gone and it goes on (a job that lost
+  after the failure surfaced (a process on its own host is on its side of any cut). If the failed
+  ranks that beat after that moment outnumber its own ranks (on a tie: if they hold the lowest
+  rank), it is the smaller side of a cut and its ranks fail-stop before they write anything. Otherwise the failed ranks are really gone and it goes on (a job that lost
   two of three replicas to crashes pays two heartbeat periods once).
 
 The side that goes on removes the others as it removes any failed rank; the side that stops
@@ -33,8 +33,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .failstop import fail_stop
 from .liveness import heartbeat_file, rank_heartbeat_file
 from .processes import ProcessInfo
+from .world import RecoveryResult
 
 # How long a side without a majority looks for beats of the failed ranks, in heartbeat periods.
 WATCH_PERIODS = 2.0
@@ -44,7 +46,6 @@ WATCH_PERIODS = 2.0
 class SideVerdict:
     smaller: bool  # this side is the smaller one of a cut: its ranks stop
     beating: tuple[int, ...]  # failed ranks seen beating after the failure surfaced
-    waited_s: float
 
 
 def is_smaller_side(mine: Sequence[int], beating: Sequence[int]) -> bool:
@@ -98,15 +99,14 @@ class PartitionGuard:
         failed_set = set(failed)
         mine = [r for r in before if r not in failed_set]
         if not failed_set or 2 * len(mine) > len(before):
-            return SideVerdict(False, (), 0.0)
+            return SideVerdict(False, ())
         by_rank = {p.rank: p for p in processes}
         # A process on this host cannot be on the other side of a network cut: only the failed
         # ranks of other hosts are watched (a job on one host never waits here).
         watched = [by_rank[r] for r in sorted(failed_set) if r in by_rank and by_rank[r].host != self.host]
         if not watched:
-            return SideVerdict(False, (), 0.0)
-        start = self.clock()
-        deadline = max(start, detected_at + WATCH_PERIODS * self.period_s)
+            return SideVerdict(False, ())
+        deadline = detected_at + WATCH_PERIODS * self.period_s
         beating: set[int] = set()
         while True:
             for info in watched:
@@ -114,8 +114,20 @@ class PartitionGuard:
                 if beat is not None and beat > detected_at:
                     beating.add(info.rank)
             if is_smaller_side(mine, sorted(beating)):
-                return SideVerdict(True, tuple(sorted(beating)), self.clock() - start)
+                return SideVerdict(True, tuple(sorted(beating)))
             now = self.clock()
             if now >= deadline:
-                return SideVerdict(False, tuple(sorted(beating)), now - start)
+                return SideVerdict(False, tuple(sorted(beating)))
             self.sleep(min(0.1, deadline - now))
+
+    def stop_if_smaller_side(
+        self, rank: int, before: Sequence[int], result: RecoveryResult, processes: Sequence[ProcessInfo]
+    ) -> None:
+        """After a committed recovery on ``rank``: fail-stop if its side is the smaller side of a cut."""
+        verdict = self.check(before, result.failed_ranks, processes, result.detected_at)
+        if verdict.smaller:
+            fail_stop(
+                f"rank {rank} is cut off from the job: ranks {list(verdict.beating)}, declared failed, "
+                f"still beat, and they outnumber this side's {len(before) - len(result.failed_ranks)} "
+                "rank(s): this side stops, the other goes on"
+            )
