@@ -8,8 +8,9 @@ re-join's status, a relaunch's generation from ``generation.json``), the time fr
 next commit and to the next commit at full width, and the steps redone (a relaunch's
 ``steps_redone``).
 
-Totals: the share of the wall time (first to last commit) spent at full width (``replicas`` equal to
-the initial ``dp``), relaunches, failed and given-up re-joins, healthy ranks declared dead (a rank in
+Totals: the share of the wall time (first to last commit) spent training at full width (``replicas``
+equal to the initial ``dp`` at both ends of the time between two commits, a relaunch's gap excluded:
+:func:`full_width_share`), relaunches, failed and given-up re-joins, healthy ranks declared dead (a rank in
 an incident's ``failed_ranks`` whose replica no fault of that window struck, or any before the first
 fault), the launch's exit status, the final width, and equality with the plain run: every step
 1..N committed with the reference's ``ids_digest`` and a loss within 1e-5 relative (bit for bit,
@@ -72,16 +73,29 @@ def compare_with_reference(run_dir: Path, ref_dir: Path, steps: int, exact: bool
     }
 
 
-def full_width_share(metrics: list[dict[str, Any]], dp: int) -> float | None:
-    """Share of the wall time from the first to the last commit spent at full width: the time
-    before a commit counts at that commit's width."""
+def full_width_share(
+    metrics: list[dict[str, Any]], dp: int, relaunched_steps: set[int] | frozenset[int] = frozenset()
+) -> float | None:
+    """Share of the wall time from the first to the last commit spent training at full width.
+
+    The time between two commits counts only when both are at full width and the later one is not
+    the first commit of a relaunched launch (``relaunched_steps``: the ``step`` of each relaunch
+    incident, the first step the new launch committed). So a stall, a relaunch, and the wait of a
+    re-join before its first full step count for their seconds as time not at full width, whatever
+    width the job comes back at."""
     timed = [r for r in metrics if isinstance(r.get("time"), (int, float))]
     if len(timed) < 2:
         return None
     total = timed[-1]["time"] - timed[0]["time"]
-    full = sum(
-        b["time"] - a["time"] for a, b in zip(timed, timed[1:], strict=False) if b.get("replicas") == dp
-    )
+    # A relaunch may redo a step: the new launch's commit of it is the last record of that step.
+    last_of_step = {r["step"]: i for i, r in enumerate(timed)}
+    full = 0.0
+    for i, (a, b) in enumerate(zip(timed, timed[1:], strict=False), start=1):
+        if a.get("replicas") != dp or b.get("replicas") != dp:
+            continue
+        if b["step"] in relaunched_steps and last_of_step.get(b["step"]) == i:
+            continue
+        full += b["time"] - a["time"]
     return full / total if total > 0 else None
 
 
@@ -165,7 +179,11 @@ def judge(
         "faults_sent": sum(1 for f in sent if f.get("sent_at") is not None),
         "faults_with_reaction": sum(1 for f in faults if f["reaction"]),
         "wall_s": run.ended_at - run.started_at,
-        "full_width_share": full_width_share(metrics, dp),
+        "full_width_share": full_width_share(
+            metrics,
+            dp,
+            {int(i["step"]) for i in incidents if i.get("kind") in RELAUNCH_KINDS and "step" in i},
+        ),
         "initial_replicas": dp,
         "final_replicas": metrics[-1].get("replicas") if metrics else None,
         "last_step": metrics[-1]["step"] if metrics else 0,

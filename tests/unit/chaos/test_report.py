@@ -1,9 +1,11 @@
 """How the campaign report names what the job did: a relaunch of any kind (a regrow included) is
-the supervisor's, not a rank's failure."""
+the supervisor's, not a rank's failure; and how it counts the time at full width."""
 
 from __future__ import annotations
 
-from nanotron_recover.chaos.report import JOB_KINDS, RELAUNCH_KINDS, _describe_incident
+import pytest
+
+from nanotron_recover.chaos.report import JOB_KINDS, RELAUNCH_KINDS, _describe_incident, full_width_share
 
 
 def test_a_regrow_is_a_relaunch_not_a_rank_failure():
@@ -11,3 +13,29 @@ def test_a_regrow_is_a_relaunch_not_a_rank_failure():
     assert "regrow" in JOB_KINDS
     regrow = {"kind": "regrow", "generation": 4, "state_from": "snapshot", "step": 65}
     assert _describe_incident(regrow) == "regrow -> generation 4 from snapshot @65"
+
+
+def test_full_width_counts_only_the_time_between_two_full_commits():
+    metrics = [
+        {"step": 1, "time": 0.0, "replicas": 3},
+        {"step": 2, "time": 1.0, "replicas": 3},  # 1 s at full width
+        {"step": 3, "time": 4.0, "replicas": 2},  # a repair, then a narrower step
+        {"step": 4, "time": 9.0, "replicas": 3},  # a re-join's wait: not yet at full width
+        {"step": 5, "time": 10.0, "replicas": 3},  # 1 s at full width
+    ]
+    assert full_width_share(metrics, 3) == pytest.approx(2 / 10)
+    assert full_width_share(metrics[:1], 3) is None
+
+
+def test_a_stall_and_the_relaunch_after_it_count_for_their_seconds():
+    metrics = [
+        {"step": 1, "time": 0.0, "replicas": 3},
+        {"step": 2, "time": 1.0, "replicas": 3},
+        {"step": 3, "time": 2.0, "replicas": 3},
+        # no commit for 45 s, then a relaunch that redoes step 3 and commits it at full width
+        {"step": 3, "time": 56.0, "replicas": 3},
+        {"step": 4, "time": 57.0, "replicas": 3},
+    ]
+    assert full_width_share(metrics, 3, {3}) == pytest.approx(3 / 57)
+    # the first launch's own commit of step 3 was a plain step: only the relaunched one is cut
+    assert full_width_share(metrics, 3, {4}) == pytest.approx(56 / 57)

@@ -8,7 +8,6 @@ import json
 import pytest
 
 from nanotron_recover.chaos.kinds import KINDS, LOCAL_KINDS, NODE_KINDS, parse_kinds
-from nanotron_recover.chaos.report import full_width_share
 from nanotron_recover.chaos.schedule import (
     Schedule,
     ScheduleError,
@@ -127,14 +126,3 @@ def test_a_damaged_replay_file_is_refused(tmp_path, edit, message):
     path.write_text("{")
     with pytest.raises(ScheduleError, match="is not JSON"):
         load_schedule(path)
-
-
-def test_full_width_share_counts_the_time_before_each_commit_at_its_width():
-    metrics = [
-        {"step": 1, "time": 0.0, "replicas": 3},
-        {"step": 2, "time": 1.0, "replicas": 3},
-        {"step": 3, "time": 4.0, "replicas": 2},
-        {"step": 4, "time": 5.0, "replicas": 3},
-    ]
-    assert full_width_share(metrics, 3) == pytest.approx(2 / 5)
-    assert full_width_share(metrics[:1], 3) is None
