@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from . import fencing
+from . import fencing, stall_trace
 from .checkpoint import (
     CheckpointError,
     PendingSave,
@@ -298,6 +298,9 @@ class DistributedTrainer:
             self.run_dir.name,
             f"replica{self.dp_mode.replica_id()}_{self.engine.digest_name}",
         )
+        r_cfg = self.cfg.recover
+        # Under forward recovery a stalled rank writes its stacks before the supervisor ends it.
+        trace_s = stall_trace.trace_after_s(r_cfg) if r_cfg.enabled and r_cfg.mode == "forward" else None
         try:
             if profiler is not None:
                 profiler.start()
@@ -310,6 +313,7 @@ class DistributedTrainer:
                     r = self.train_step(step)
                     results.append(r)
                     self._log(r)
+                    stall_trace.arm(trace_s)
                     due = ck.checkpoint_interval and step % ck.checkpoint_interval == 0
                     if due or (step == last and final_save):
                         with self.times.phase("checkpoint"):
@@ -320,6 +324,7 @@ class DistributedTrainer:
                     # My replica failed, I did not: wait for it to re-join, then go on from the
                     # state a healthy replica sends (or the run ends while parked: park exits).
                     self._pending_save = None
+                    stall_trace.disarm()  # parked: no commit of mine is due
                     self._stop_reporting()  # a later logging role starts from the file, not from here
                     try:
                         step = self._adopt(parked.wait_for_rejoin()) + 1
@@ -330,6 +335,7 @@ class DistributedTrainer:
                         raise
                     continue
                 step += 1
+            stall_trace.disarm()
             if profiler is not None:
                 profiler.stop()  # writes the trace of a cycle still recording
             try:
@@ -341,6 +347,7 @@ class DistributedTrainer:
             if self.cfg.general.benchmark_csv_path is not None and self.dp_mode.is_logger():
                 self._write_benchmark_row([r.step_time_s for r in results])
         except Exception as error:
+            stall_trace.disarm()
             if profiler is not None:
                 profiler.stop()
             self.run_logger.finish(exit_code=1)
