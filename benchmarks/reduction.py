@@ -215,13 +215,16 @@ def copy_bandwidths(device_buf: Any, reps: int = 5) -> dict[str, float]:
 # -- the driver -----------------------------------------------------------------------------------
 def run_size(n: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from nanotron_recover.launcher import mpirun_command
+    from nanotron_recover.session_dirs import fresh_session
 
     out = tmp / f"{n}.json"
     program = [sys.executable, str(Path(__file__).resolve()), "--worker", "--params", str(n)]
     program += ["--reps", str(args.reps), "--bucket-mb", str(args.bucket_mb), "--json", str(out)]
     program += ["--device", args.device]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run(mpirun_command(args.dp, program, heartbeat=HEARTBEAT), check=True, timeout=900, env=env)
+    subprocess.run(
+        fresh_session(mpirun_command(args.dp, program, heartbeat=HEARTBEAT)), check=True, timeout=900, env=env
+    )
     raw = json.loads(out.read_text())
     if not raw["sums_agree"]:
         raise SystemExit(f"{n} parameters: the reduced gradients differ from the expected sum")

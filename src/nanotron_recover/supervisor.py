@@ -91,6 +91,7 @@ from .outcome import (
     read_outcome,
     write_outcome,
 )
+from .session_dirs import fresh_session
 
 PREFIX = "nanotron-recover launch"
 POLL_S = 0.5  # how often the supervisor looks for the outcome record while mpirun runs
@@ -286,7 +287,8 @@ def run_supervised(
     watch = CommitWatch(run_dir, deadline or DeadlineArgs(fixed_s=0), previous_start_s)
     stalled: Stalled | None = None
     hosts_gone: str | None = None
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    # mpirun and its daemons first remove a killed predecessor's session folder of their pid.
+    proc = subprocess.Popen(fresh_session(cmd), env=env, start_new_session=True)
     previous = _install_forwarding(proc, received)
     started = time.monotonic()
     recorded_at: float | None = None

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanotron_recover.launcher import mpirun_command
+from nanotron_recover.session_dirs import fresh_session
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -82,7 +83,7 @@ def run_process(
     cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> Completed:
     proc = subprocess.Popen(
-        cmd,
+        fresh_session(cmd),  # as the supervisor starts mpirun (session_dirs.py)
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -8,6 +8,8 @@
   with a remote daemon") within a second, the Slurm allocation submitted with ``--no-kill`` stays
   RUNNING on the other nodes once the node is DOWN, and the node's ``/dev/shm`` is gone when it
   comes back.
+- Daemons (``prted``) whose pid a killed daemon had before find its session folder: they exit 213
+  and the job never starts; started through ``session_dirs.fresh_session`` they run.
 - Teardown leaves no process, namespace, link or ``/etc/hosts`` line behind.
 """
 
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from nanotron_recover.session_dirs import fresh_session
 from tests.helpers.emulated_cluster import EmulatedCluster, _is_zombie, cluster_fixture, leftovers
 
 pytestmark = [pytest.mark.mpi, pytest.mark.cluster]
@@ -253,3 +256,54 @@ def test_teardown_leaves_nothing(emulated):
     assert not {line.split()[0] for line in listed.splitlines() if line.strip()} & {
         n.netns for n in emulated.nodes
     }
+
+
+def plant_stale_daemon_folders(tmpdir: Path, hosts: list[str], count: int) -> range:
+    """What SIGKILLed daemons leave: ``prted.<pid>`` with their PMIx rendezvous files, for the next
+    ``count`` pids this machine will hand out (one pid space for every emulated node), so each
+    daemon of the next job meets one of its own pid (``session_dirs.py``)."""
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    last = int(Path("/proc/sys/kernel/ns_last_pid").read_text())
+    pids = range(last + 1, last + 1 + count)
+    for n in pids:
+        pid = (n - 300) % (pid_max - 300) + 300 if n >= pid_max else n  # the kernel wraps past 300
+        folder = tmpdir / f"prted.{pid}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for host in hosts:
+            (folder / f"pmix.{host}.tool").write_text("stale\n")
+            (folder / f"pmix.{host}.tool.{pid}").write_text("stale\n")
+    return pids
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["as_is", "fresh_session"])
+def test_daemons_meeting_stale_folders_of_their_pids(emulated, tmp_path, fresh):
+    """Daemons whose pid a killed daemon had before: as Open MPI is, the job cannot start on the
+    other hosts; started through ``session_dirs.fresh_session`` (the daemons' launch agent removes
+    their own stale folder first), it runs on three nodes."""
+    emulated.wait_nodes_idle()
+    tmpdir = tmp_path / "tmp"
+    (tmp_path / "prog.py").write_text(HELLO)
+    mpirun = [MPIRUN, "--with-ft", "ulfm", "--map-by", "ppr:1:node", "-n", "3", sys.executable]
+    line = " ".join(fresh_session(mpirun) if fresh else mpirun)
+    (tmp_path / "job.sh").write_text(
+        f"#!/bin/sh\nexport TMPDIR={tmpdir}\n"
+        f"timeout -k 5 {JOB_TIMEOUT_S - 30} {line} {tmp_path / 'prog.py'}\n"
+        'echo "mpirun exit $?"\n'
+    )
+    plant_stale_daemon_folders(tmpdir, emulated.names, count=3000)
+    options = [
+        "-N",
+        "3",
+        "--ntasks-per-node=1",
+        "--time=5",
+        f"--output={tmp_path / 'out'}",
+        "-J",
+        tmp_path.name,
+    ]
+    job = emulated.sbatch(*options, str(tmp_path / "job.sh"))
+    emulated.wait_job(job, JOB_TIMEOUT_S)
+    out = output(tmp_path)
+    if fresh:
+        assert "mpirun exit 0" in out and re.search(r"^RESULT 3 ", out, re.M), out
+    else:
+        assert "mpirun exit 0" not in out and "RESULT" not in out, out
