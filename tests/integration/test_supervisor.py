@@ -176,9 +176,11 @@ def test_a_relaunch_at_full_width_names_its_hosts_and_overlaps_the_old_steps(tmp
     assert code == 0
     first = json.loads((tmp_path / "argv1.json").read_text())
     second = json.loads((tmp_path / "argv2.json").read_text())
-    assert first == cmd[1:]
-    assert second[:5] == ["--host", "a:1,b:1", "--prtemca", "plm_slurm_args", "--overlap"], second
-    assert second[5:] == cmd[1:]
+    # Every mpirun starts fresh (session_dirs.py): its daemons left attached, so they keep their pid.
+    attached = ["--leave-session-attached"]
+    assert first == attached + cmd[1:]
+    assert second[:6] == [*attached, "--host", "a:1,b:1", "--prtemca", "plm_slurm_args", "--overlap"], second
+    assert second[6:] == cmd[1:]
     assert read_relaunch(tmp_path / "run").hosts == ["a", "b"]
 
 
