@@ -90,12 +90,18 @@ class FrozenProcessWatch:
         # file name -> (its last modification time, when the watch saw that time first)
         self._seen: dict[str, tuple[float, float]] = {}
         self._removed: set[tuple[str, int]] = set()
+        # When the newest silent process was found (this watch's clock): the commit deadline's
+        # repair bound starts there (commit_deadline.CommitWatch.note_loss).
+        self.lost_at: float | None = None
 
     def poll(self) -> str | None:
         """Remove the frozen processes found now; a description when one could not be removed
         (the job must be ended and relaunched), else None."""
         now = self.clock()
-        for watched, last_beat in self._frozen(now):
+        found = self._frozen(now)
+        if found:
+            self.lost_at = now
+        for watched, last_beat in found:
             self._removed.add((watched.host, watched.pid))
             self._record(watched, last_beat)
             if not self._kill(watched):

@@ -351,6 +351,8 @@ def run_supervised(
             if frozen is not None and recorded_at is None and hosts_gone is None:
                 try:
                     hosts_gone = frozen.poll()  # a frozen process removed, or one that cannot be
+                    if frozen.lost_at is not None:
+                        watch.note_loss(frozen.lost_at)  # from now on the repair bound holds
                 except Exception as e:  # the job's outcome matters more than the watch
                     log(f"the frozen-process watch failed ({type(e).__name__}: {e}): not watching this job")
                     frozen = None

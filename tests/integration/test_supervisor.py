@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -395,3 +396,38 @@ def test_a_job_frozen_whole_is_relaunched_on_the_commit_deadline(tmp_path, plain
     # A step in flight when the last rank stopped may still commit (its record written a moment
     # after the test read the file): one step either side of what the test saw.
     assert frozen_after - 1 <= incident["restored_step"] <= frozen_after + 1, incident
+
+
+def test_a_job_that_commits_nothing_after_a_process_went_silent_is_relaunched_on_the_repair_bound(tmp_path):
+    """A rank goes silent (here a frozen process whose heartbeat file stopped) and the job, stuck
+    as a survivor stuck in an Allreduce that no failure notice reached, commits nothing more. The
+    supervisor's heartbeat-file watch removes the process; from then on the job has two heartbeat
+    timeouts and ten typical steps to commit (the repair bound), not the 60 s fixed bound here."""
+    body = (
+        "import os, socket, subprocess, time\n"
+        "if n == 1:\n"
+        "    frozen = subprocess.Popen(['sleep', '600'])\n"
+        "    host = socket.gethostname()\n"
+        "    (run_dir / 'heartbeats').mkdir(exist_ok=True)\n"
+        "    (run_dir / 'heartbeats' / f'{host}.{frozen.pid}.rank').write_text('')\n"
+        "    table = [{'rank': 0, 'host': host, 'pid': os.getpid(), 'replica': 0},\n"
+        "             {'rank': 1, 'host': host, 'pid': frozen.pid, 'replica': 1}]\n"
+        "    (run_dir / 'ranks.json').write_text(json.dumps(table))\n"
+        "    commit(1); commit(2)\n"
+        "    time.sleep(600)\n"  # stuck: commits nothing more
+        "else:\n    commit(3)\n"
+        "    write_outcome(run_dir, status='completed', last_step=3, target_step=3, exit_code=0)\n"
+    )
+    args = ["--run-dir", str(tmp_path / "run"), "--grace-s", "1", "--relaunches", "2"]
+    args += ["--heartbeat-period-s", "0.2", "--heartbeat-timeout-s", "1", "--commit-timeout-s", "60"]
+    result = run_process([*SUPERVISE, *args, "--", *fake_job(tmp_path, body)], timeout=120)
+    assert result.returncode == 0, result.stderr
+    relaunch = read_relaunch(tmp_path / "run")
+    assert relaunch is not None and relaunch.cause == "stalled" and relaunch.last_committed == 2
+    m = re.search(
+        r"the job stalled, no step committed for \d+ s after step 2 \(bound (\d+) s: a process went silent",
+        result.stderr,
+    )
+    assert m, result.stderr
+    # silence found (timeout + 3 periods, one more timeout for a node-mate) + 2 timeouts of repair
+    assert int(m.group(1)) < 10, result.stderr

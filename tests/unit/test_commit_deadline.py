@@ -98,3 +98,42 @@ def test_from_config():
     assert DeadlineArgs.from_recover(RecoverArgs(enabled=True, commit_timeout_s=0)).off
     with pytest.raises(ConfigError, match="recover.commit_timeout_s must be >= 0"):
         RecoverArgs(enabled=True, commit_timeout_s=-1)
+
+
+def test_after_a_silent_process_a_repair_bound_holds_not_the_stall_bound(tmp_path):
+    watch = CommitWatch(tmp_path, ARGS, previous_start_s=5.0, now=0.0)
+    commit(tmp_path, 1, wall_s=0.5)
+    assert watch.poll(now=10.0) is None
+    watch.note_loss(18.0)  # the heartbeat-file watch found a silent process
+    repair, why = watch.repair_bound_s()
+    assert repair == pytest.approx(10 + 10 * 0.5)  # 2 heartbeat timeouts + 10 typical steps, no floor
+    assert "repair" in why
+    assert watch.poll(now=18.0 + repair) is None
+    stalled = watch.poll(now=18.0 + repair + 0.5)
+    assert stalled is not None and stalled.last_step == 1
+    assert stalled.waited_s == pytest.approx(8.0 + repair + 0.5)
+    assert "went silent 8 s after that commit" in stalled.describe()
+    assert watch.bound_s()[0] > 60  # the stall bound alone would have waited past the floor
+
+
+def test_a_commit_after_the_silence_means_it_was_repaired(tmp_path):
+    watch = CommitWatch(tmp_path, DeadlineArgs(fixed_s=45, allowance_s=10), now=0.0)
+    commit(tmp_path, 1)
+    assert watch.poll(now=1.0) is None
+    watch.note_loss(2.0)
+    commit(tmp_path, 2)  # the job repaired the step
+    assert watch.poll(now=3.0) is None and watch.loss_at is None
+    assert watch.poll(now=40.0) is None  # the fixed bound again
+    watch.note_loss(2.5)  # a silence older than the newest commit is no loss
+    assert watch.loss_at is None and watch.poll(now=47.0) is None and watch.poll(now=48.5) is not None
+
+
+def test_no_repair_bound_before_the_first_commit_and_never_past_the_fixed_bound(tmp_path):
+    watch = CommitWatch(tmp_path, DeadlineArgs(fixed_s=12, allowance_s=10), now=0.0)
+    watch.note_loss(1.0)  # starting: the start-up bound holds
+    assert watch.loss_at is None
+    commit(tmp_path, 1, wall_s=1.0)
+    assert watch.poll(now=2.0) is None
+    watch.note_loss(3.0)
+    assert watch.repair_bound_s()[0] == 12  # 10 + 10 x 1.0 capped by the fixed 12 s
+    assert watch.poll(now=14.0) is None and watch.poll(now=15.5) is not None

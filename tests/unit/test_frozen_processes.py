@@ -60,9 +60,10 @@ def test_a_frozen_process_alone_on_this_host_is_recorded_and_killed(tmp_path, sl
     watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
     assert watch.poll() is None  # first sight: its age starts now, whatever the file's clock says
     clock.now = 7.9  # 5 s timeout + 3 periods (one, and two for the ranks' own monitors)
-    assert watch.poll() is None and sleeper.poll() is None
+    assert watch.poll() is None and sleeper.poll() is None and watch.lost_at is None
     clock.now = 8.1
     assert watch.poll() is None  # removed: a repair, no relaunch
+    assert watch.lost_at == 8.1  # the commit deadline's repair bound starts here
     assert sleeper.wait(timeout=10) == -signal.SIGKILL
     (record,) = read_records(tmp_path, [2])
     assert (record["kind"], record["pid"], record["time"]) == ("hang", sleeper.pid, 1000.0)
@@ -80,7 +81,7 @@ def test_a_beating_process_is_never_touched_whatever_its_clock(tmp_path, sleeper
         beat(tmp_path, here, sleeper.pid, at=1000.0 + i)
         clock.now = i * 1.0
         assert watch.poll() is None
-    assert sleeper.poll() is None and read_records(tmp_path) == []
+    assert sleeper.poll() is None and read_records(tmp_path) == [] and watch.lost_at is None
 
 
 def test_a_launch_rank_with_a_node_mate_gets_one_more_timeout_first(tmp_path, sleeper):
