@@ -246,18 +246,6 @@ def test_power_off_aborts_mpirun_but_not_the_allocation(emulated, tmp_path):
     emulated.wait_nodes_idle()
 
 
-def test_teardown_leaves_nothing(emulated):
-    nodes = emulated.names
-    emulated.stop()
-    emulated.stop()  # twice is fine
-    assert {n: emulated.pids(n) for n in nodes} == {n: [] for n in nodes}
-    assert leftovers(emulated.tag) == {"netns": [], "links": [], "hosts": [], "daemons": []}
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    assert not {line.split()[0] for line in listed.splitlines() if line.strip()} & {
-        n.netns for n in emulated.nodes
-    }
-
-
 def plant_stale_daemon_folders(tmpdir: Path, hosts: list[str], count: int) -> range:
     """What SIGKILLed daemons leave: ``prted.<pid>`` with their PMIx rendezvous files, for the next
     ``count`` pids this machine will hand out (one pid space for every emulated node), so each
@@ -307,3 +295,16 @@ def test_daemons_meeting_stale_folders_of_their_pids(emulated, tmp_path, fresh):
         assert "mpirun exit 0" in out and re.search(r"^RESULT 3 ", out, re.M), out
     else:
         assert "mpirun exit 0" not in out and "RESULT" not in out, out
+
+
+# Last in the module: it stops the module's cluster.
+def test_teardown_leaves_nothing(emulated):
+    nodes = emulated.names
+    emulated.stop()
+    emulated.stop()  # twice is fine
+    assert {n: emulated.pids(n) for n in nodes} == {n: [] for n in nodes}
+    assert leftovers(emulated.tag) == {"netns": [], "links": [], "hosts": [], "daemons": []}
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    assert not {line.split()[0] for line in listed.splitlines() if line.strip()} & {
+        n.netns for n in emulated.nodes
+    }
