@@ -10,7 +10,8 @@ not start ("The PMIx server's listener thread failed to start", exit 213, in mil
 job never runs. For a daemon, the whole job ends ("srun returned non-zero exit status ... from
 launching the per-node daemon"), which the supervisor can only answer with a relaunch. After a day
 of faults a node holds hundreds of such folders (measured here: 52 ``ompi.*`` and 386 ``prted.*``
-in ``/tmp``, so about 1 launch in 600 failed at start; a suite of a thousand launches failed once).
+in ``/tmp``: about 1 ``mpirun`` in 630 and 1 daemon in 85 could not start; a suite of a
+thousand launches failed once).
 
 The pid a process will have is known only inside it, so the folder is removed there:
 :func:`fresh_session` runs ``mpirun`` through ``scripts/fresh_session.sh``, which removes

@@ -24,8 +24,10 @@ MIN_TRACE_S = 30.0
 
 
 def trace_after_s(recover: Any) -> float | None:
-    """Seconds without a commit after which a rank writes its stacks (``None``: never, because the
-    commit deadline is off)."""
+    """Seconds without a commit after which a rank writes its stacks (``None``: never: no forward
+    recovery, so no supervisor deadline, or the commit deadline is off)."""
+    if not getattr(recover, "enabled", True) or getattr(recover, "mode", "forward") != "forward":
+        return None
     fixed = getattr(recover, "commit_timeout_s", None)
     if fixed is not None:
         return None if fixed == 0 else 2.0 * float(fixed) / 3.0

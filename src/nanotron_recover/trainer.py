@@ -48,7 +48,7 @@ from .engines import ModelEngine, build_model_engine
 from .errors import ExitCode, InputError, StopRun
 from .failures import Kind, Phase
 from .logging import MetricsWriter, ids_digest
-from .logging.benchmark import append_row, benchmark_row
+from .logging.benchmark import report_run_row
 from .logging.profiler import StepProfiler
 from .logging.progress import Progress
 from .logging.prometheus import RunExporter
@@ -298,9 +298,7 @@ class DistributedTrainer:
             self.run_dir.name,
             f"replica{self.dp_mode.replica_id()}_{self.engine.digest_name}",
         )
-        r_cfg = self.cfg.recover
-        # Under forward recovery a stalled rank writes its stacks before the supervisor ends it.
-        trace_s = stall_trace.trace_after_s(r_cfg) if r_cfg.enabled and r_cfg.mode == "forward" else None
+        trace_s = stall_trace.trace_after_s(self.cfg.recover)  # a stalled rank's stacks, if any
         try:
             if profiler is not None:
                 profiler.start()
@@ -345,7 +343,9 @@ class DistributedTrainer:
             self.write_parameter_digest()
             self.dp_mode.finish(last, resave=self._resave_final if final_save else None)
             if self.cfg.general.benchmark_csv_path is not None and self.dp_mode.is_logger():
-                self._write_benchmark_row([r.step_time_s for r in results])
+                report_run_row(
+                    self.cfg, [r.step_time_s for r in results], self.cfg.general.run or self.run_dir.name
+                )
         except Exception as error:
             stall_trace.disarm()
             if profiler is not None:
@@ -376,22 +376,6 @@ class DistributedTrainer:
                 "started_at": time.time(),
             },
         )
-
-    def _write_benchmark_row(self, step_times_s: list[float]) -> None:
-        """Append this run's throughput row to ``general.benchmark_csv_path`` (logging rank). A row
-        that cannot be written is reported, not fatal: the training it measures is done."""
-        path = self.cfg.general.benchmark_csv_path
-        row = benchmark_row(
-            self.cfg, step_times_s, self.cfg.general.run or self.run_dir.name, self.cfg.world_size
-        )
-        try:
-            append_row(path, row)
-        except OSError as e:
-            print(
-                f"[nanotron-recover] could not write benchmark row to {path}: {e}",
-                file=sys.stderr,
-                flush=True,
-            )
 
     def write_parameter_digest(self) -> Path:
         """``<run_dir>/parameters/replica<r>_pp<p>_tp<t>.sha256``: a digest of this rank's parameters

@@ -246,21 +246,19 @@ def test_power_off_aborts_mpirun_but_not_the_allocation(emulated, tmp_path):
     emulated.wait_nodes_idle()
 
 
-def plant_stale_daemon_folders(tmpdir: Path, hosts: list[str], count: int) -> range:
+def plant_stale_daemon_folders(tmpdir: Path, hosts: list[str], count: int) -> None:
     """What SIGKILLed daemons leave: ``prted.<pid>`` with their PMIx rendezvous files, for the next
     ``count`` pids this machine will hand out (one pid space for every emulated node), so each
     daemon of the next job meets one of its own pid (``session_dirs.py``)."""
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
     last = int(Path("/proc/sys/kernel/ns_last_pid").read_text())
-    pids = range(last + 1, last + 1 + count)
-    for n in pids:
+    for n in range(last + 1, last + 1 + count):
         pid = (n - 300) % (pid_max - 300) + 300 if n >= pid_max else n  # the kernel wraps past 300
         folder = tmpdir / f"prted.{pid}"
         folder.mkdir(parents=True, exist_ok=True)
         for host in hosts:
             (folder / f"pmix.{host}.tool").write_text("stale\n")
             (folder / f"pmix.{host}.tool.{pid}").write_text("stale\n")
-    return pids
 
 
 @pytest.mark.parametrize("fresh", [False, True], ids=["as_is", "fresh_session"])

@@ -21,6 +21,12 @@ def test_the_dump_comes_before_the_supervisor_ends_the_job():
     derived = SimpleNamespace(commit_timeout_s=None, heartbeat_timeout_s=2.0)
     assert trace_after_s(derived) == MIN_TRACE_S
     assert trace_after_s(SimpleNamespace(commit_timeout_s=None, heartbeat_timeout_s=10.0)) == 60.0
+    plain = SimpleNamespace(enabled=False, mode="forward", commit_timeout_s=45.0, heartbeat_timeout_s=5.0)
+    assert trace_after_s(plain) is None
+    restarts = SimpleNamespace(
+        enabled=True, mode="checkpoint_restart", commit_timeout_s=45.0, heartbeat_timeout_s=5.0
+    )
+    assert trace_after_s(restarts) is None
 
 
 def run_child(body: str) -> subprocess.CompletedProcess:
@@ -46,11 +52,11 @@ def test_a_rank_stuck_past_its_bound_writes_where_it_is():
 def test_a_rank_that_commits_or_is_disarmed_writes_nothing():
     out = run_child(
         """
-        for _ in range(10):  # a commit every 0.1 s re-arms a 0.5 s countdown
-            stall_trace.arm(0.5)
+        for _ in range(10):  # a commit every 0.1 s re-arms a 2 s countdown
+            stall_trace.arm(2.0)
             time.sleep(0.1)
         stall_trace.disarm()  # parked
-        time.sleep(1.0)
+        time.sleep(2.5)
         stall_trace.arm(None)  # the commit deadline is off
         time.sleep(0.5)
         """

@@ -15,6 +15,7 @@ import fcntl
 import io
 import math
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -104,3 +105,13 @@ def append_row(path: str | Path, row: dict[str, Any]) -> Path:
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
     return path
+
+
+def report_run_row(cfg: Config, step_times_s: Sequence[float], run: str) -> None:
+    """Append a run's throughput row to ``general.benchmark_csv_path``. A row that cannot be
+    written is reported, not fatal: the training it measures is done."""
+    path = cfg.general.benchmark_csv_path
+    try:
+        append_row(path, benchmark_row(cfg, step_times_s, run, cfg.world_size))
+    except OSError as e:
+        print(f"[nanotron-recover] could not write benchmark row to {path}: {e}", file=sys.stderr, flush=True)
