@@ -22,7 +22,6 @@ beat_if_spawned()
 
 from .config import HFDatasetArgs, NanosetDatasetsArgs, add_config_arguments, load_config  # noqa: E402
 from .errors import ExitCode, InputError, StopRun  # noqa: E402
-from .launcher import default_run_dir, launch, target_step_of  # noqa: E402
 from .outcome import SUPERVISED_ENV, read_outcome, write_outcome  # noqa: E402
 from .supervisor import last_committed_step  # noqa: E402
 
@@ -30,6 +29,8 @@ from .supervisor import last_committed_step  # noqa: E402
 # -- train ------------------------------------------------------------------------------------
 def cmd_train(args: argparse.Namespace) -> int:
     # A dry run plans a job before its data exists (e.g. before preprocessing C4): it notes it instead.
+    from .launcher import target_step_of
+
     cfg = load_config(args.config, args.overrides, check_paths=not args.dry_run)
     args.target_step = target_step_of(cfg, args.stop_after_step)  # for an outcome record on error
     if args.dry_run:
@@ -54,6 +55,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         start_mpi(cfg.recover.heartbeat_period_s, cfg.recover.heartbeat_timeout_s)
     from .data_parallel import build_data_parallel
+    from .launcher import default_run_dir
     from .trainer import DistributedTrainer
 
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
@@ -74,6 +76,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 # -- launch -----------------------------------------------------------------------------------
 def cmd_launch(args: argparse.Namespace) -> int:
+    from .launcher import launch
+
     return launch(
         args.config,
         args.overrides,
@@ -147,7 +151,10 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     return run_chaos(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand; given the ``command`` being run, the options of ``preprocess``
+    are declared only when it is that one: they live in the data package, which imports torch (2 s
+    of CPU, paid by every ``snapshots clean`` at every job's end on every node otherwise)."""
     parser = argparse.ArgumentParser(prog="nanotron-recover", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -216,12 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_arguments(p)
     p.set_defaults(func=cmd_simulate)
 
-    from .data import add_preprocess_arguments
-
     p = sub.add_parser(
         "preprocess", help="tokenize JSON lines or a Hugging Face dataset into a Nanoset folder (datatrove)"
     )
-    add_preprocess_arguments(p)
+    if command in (None, "preprocess"):
+        from .data import add_preprocess_arguments
+
+        add_preprocess_arguments(p)
     p.set_defaults(func=cmd_preprocess)
 
     p = sub.add_parser(
@@ -266,6 +274,8 @@ def _record_stop(args: argparse.Namespace, kind: str, code: int, message: str) -
     the run dir now holds a record."""
     if args.command != "train" or args.dry_run:
         return False
+    from .launcher import default_run_dir
+
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
     if not run_dir.is_dir():
         return False
@@ -283,7 +293,8 @@ def _record_stop(args: argparse.Namespace, kind: str, code: int, message: str) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv and not argv[0].startswith("-") else None).parse_args(argv)
     from .checkpoint import CheckpointError
 
     try:

@@ -9,10 +9,10 @@ relaunch no longer used. So the Slurm job script ends, whatever way it ends, by 
 on every node of its allocation (``templates/nanotron_recover.sbatch.in``), and ``launch`` runs it
 on its own host once the supervisor is done with the run.
 
-The run is named as the ranks name it (:func:`~.data_parallel.forward.restore.snapshot_run_id`):
+The run is named as the ranks name it (:func:`~.data_parallel.forward.snapshot_folder.snapshot_run_id`):
 from the config (with the same ``--set`` overrides) and the run directory, or by its id
 (``--run-id``). Only that run's folder is removed, only inside the user's private snapshot folder,
-never through a symlink (:func:`~.data_parallel.forward.snapshots.remove_run_snapshots`). The
+never through a symlink (:func:`~.data_parallel.forward.snapshot_folder.remove_run_snapshots`). The
 command says what it removed (files and bytes) in one line and exits 0, also when there was
 nothing to remove; 1 when the folder is refused (not this user's own, a symlink) or something could
 not be removed.
@@ -30,7 +30,7 @@ from .errors import InputError
 
 if TYPE_CHECKING:
     from .config import Config
-    from .data_parallel.forward.snapshots import Removed
+    from .data_parallel.forward.snapshot_folder import Removed
 
 PREFIX = "nanotron-recover snapshots clean"
 
@@ -75,7 +75,7 @@ def target(args: argparse.Namespace) -> tuple[str, str]:
         return args.dir or SnapshotArgs().dir, args.run_id
     if not (args.config and args.run_dir):
         raise InputError("snapshots clean needs --config and --run-dir (as given to train), or --run-id")
-    from .data_parallel.forward.restore import snapshot_run_id
+    from .data_parallel.forward.snapshot_folder import snapshot_run_id
 
     cfg = load_config(args.config, args.overrides, check_paths=False)
     return args.dir or cfg.recover.snapshot.dir, snapshot_run_id(cfg, Path(args.run_dir))
@@ -83,7 +83,7 @@ def target(args: argparse.Namespace) -> tuple[str, str]:
 
 def clean(args: argparse.Namespace) -> int:
     """Remove the run's snapshots on this host and say what was removed; the exit status."""
-    from .data_parallel.forward.snapshots import SnapshotDirRefused, remove_run_snapshots
+    from .data_parallel.forward.snapshot_folder import SnapshotDirRefused, remove_run_snapshots
 
     root, run_id = target(args)
     host = socket.gethostname()
@@ -102,8 +102,11 @@ def clean_this_host(cfg: Config, run_dir: str | Path) -> str | None:
     """What ``launch`` does once the supervisor is done with a forward-recovery run: remove the
     run's snapshots on this host; the line that says what was removed (None: nothing was there, or
     snapshots are off). Never raises: a failed cleanup must not change the run's exit status."""
-    from .data_parallel.forward.restore import snapshot_run_id
-    from .data_parallel.forward.snapshots import SnapshotDirRefused, remove_run_snapshots
+    from .data_parallel.forward.snapshot_folder import (
+        SnapshotDirRefused,
+        remove_run_snapshots,
+        snapshot_run_id,
+    )
 
     snapshot = cfg.recover.snapshot
     if not snapshot.interval:

@@ -4,6 +4,8 @@ said in one line; nothing else touched, exit 0 when there was nothing."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,8 @@ import torch
 from nanotron_recover import launcher
 from nanotron_recover.cli import main
 from nanotron_recover.config import load_config
-from nanotron_recover.data_parallel.forward.restore import snapshot_layout_id, snapshot_run_id
+from nanotron_recover.data_parallel.forward.restore import snapshot_layout_id
+from nanotron_recover.data_parallel.forward.snapshot_folder import snapshot_run_id
 from nanotron_recover.data_parallel.forward.snapshots import NodeSnapshots
 from nanotron_recover.engines.state import EngineState
 from nanotron_recover.snapshot_cleanup import clean_this_host
@@ -128,3 +131,26 @@ def test_clean_this_host_is_quiet_when_there_is_nothing_or_snapshots_are_off(tmp
     snapshots_of(tmp_path / "run", tmp_path / "shm")
     assert clean_this_host(off, tmp_path / "run") is None
     assert "removed 6 files" in clean_this_host(cfg, tmp_path / "run")
+
+
+def test_clean_runs_without_torch_mpi_or_the_trainer(tmp_path):
+    """The job script runs ``snapshots clean`` on every node of the allocation at every job's end:
+    a process that loads torch, MPI or the training code there costs seconds of CPU per node. It
+    must remove a real run's snapshots with none of them imported."""
+    run_dir, shm = tmp_path / "run", tmp_path / "shm"
+    folder = snapshots_of(run_dir, shm)
+    probe = (
+        "import sys\n"
+        "from nanotron_recover.cli import main\n"
+        f"code = main(['snapshots', 'clean', '--config', {TINY!r}, '--run-dir', {str(run_dir)!r}, "
+        + ", ".join(f"'--set', {s!r}" for s in sets_for(shm))
+        + "])\n"
+        "heavy = sorted(m for m in ('torch', 'mpi4py.MPI', 'nanotron_recover.trainer') if m in sys.modules)\n"
+        "print('loaded:', heavy)\n"
+        "sys.exit(code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "loaded: []" in done.stdout, done.stdout
+    assert "removed 6 files, " in done.stdout, done.stdout
+    assert not folder.exists()

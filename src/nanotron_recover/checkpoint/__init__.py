@@ -47,20 +47,59 @@ One concept per module, each importing only those above it:
 
 from __future__ import annotations
 
-from .async_save import VERDICT_GRACE_S, PendingSave
-from .errors import CheckpointError, CheckpointIOError, CheckpointTimeoutError
-from .identity import IDENTITY_HEX_CHARS, run_identity
-from .meta import FORMAT_VERSION, canonical_stage, full_model_specs
-from .paths import LATEST, NEXT_LATEST, STEP_DIR, latest_step, resolve
-from .reader import CheckpointReader
-from .resume import (
-    checkpoints_root,
-    find_resume_checkpoint,
-    lr_schedule_origin_at_start,
-    resume_step,
-    resumed_lr_schedule_origin,
-)
-from .save import DEFAULT_FINALIZE_TIMEOUT_S, save_checkpoint
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .async_save import VERDICT_GRACE_S, PendingSave
+    from .errors import CheckpointError, CheckpointIOError, CheckpointTimeoutError
+    from .identity import IDENTITY_HEX_CHARS, run_identity
+    from .meta import FORMAT_VERSION, canonical_stage, full_model_specs
+    from .paths import LATEST, NEXT_LATEST, STEP_DIR, latest_step, resolve
+    from .reader import CheckpointReader
+    from .resume import (
+        checkpoints_root,
+        find_resume_checkpoint,
+        lr_schedule_origin_at_start,
+        resume_step,
+        resumed_lr_schedule_origin,
+    )
+    from .save import DEFAULT_FINALIZE_TIMEOUT_S, save_checkpoint
+
+# Imported on first use: most of these modules import torch, which a torch-free caller of one of them
+# (the run's identity in ``snapshots clean``, ``checkpoint.paths`` in the supervisor) must not load.
+_LAZY = {
+    "VERDICT_GRACE_S": ".async_save",
+    "PendingSave": ".async_save",
+    "CheckpointError": ".errors",
+    "CheckpointIOError": ".errors",
+    "CheckpointTimeoutError": ".errors",
+    "IDENTITY_HEX_CHARS": ".identity",
+    "run_identity": ".identity",
+    "FORMAT_VERSION": ".meta",
+    "canonical_stage": ".meta",
+    "full_model_specs": ".meta",
+    "LATEST": ".paths",
+    "NEXT_LATEST": ".paths",
+    "STEP_DIR": ".paths",
+    "latest_step": ".paths",
+    "resolve": ".paths",
+    "CheckpointReader": ".reader",
+    "checkpoints_root": ".resume",
+    "find_resume_checkpoint": ".resume",
+    "lr_schedule_origin_at_start": ".resume",
+    "resume_step": ".resume",
+    "resumed_lr_schedule_origin": ".resume",
+    "DEFAULT_FINALIZE_TIMEOUT_S": ".save",
+    "save_checkpoint": ".save",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_FINALIZE_TIMEOUT_S",

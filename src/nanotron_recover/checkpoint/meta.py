@@ -14,14 +14,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import fencing
 from ..config import Config, LlamaConfig, dump_config
-from ..models.llama import LlamaStage, stage_layers
-from ..parallel.sharding import ParamSpec
 from .errors import CheckpointError, _one_line
 from .identity import run_identity
+
+if TYPE_CHECKING:
+    from ..parallel.sharding import ParamSpec
 
 FORMAT_VERSION = 1
 
@@ -31,6 +32,8 @@ def canonical_stage(name: str, cfg: LlamaConfig, pp: int) -> int:
     if name.startswith("model.embed_tokens"):
         return 0
     if name.startswith("model.layers."):
+        from ..models.llama import stage_layers  # torch: not for the readers of a step's metadata
+
         layer = int(name.split(".")[2])
         return next(p for p in range(pp) if layer in stage_layers(cfg.num_hidden_layers, pp, p))
     return pp - 1  # final norm and output head
@@ -38,6 +41,8 @@ def canonical_stage(name: str, cfg: LlamaConfig, pp: int) -> int:
 
 def full_model_specs(cfg: LlamaConfig) -> dict[str, ParamSpec]:
     """Specs of every canonical tensor of the model, independent of layout."""
+    from ..models.llama import LlamaStage
+
     return LlamaStage(cfg, device="meta").specs
 
 

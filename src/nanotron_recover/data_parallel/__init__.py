@@ -1,13 +1,35 @@
-"""How gradients cross replicas: the data-parallel seam (see :mod:`.protocol`)."""
+"""How gradients cross replicas: the data-parallel seam (see :mod:`.protocol`).
+
+The names are imported on first use (they import torch): a process that needs only a torch-free
+part of the package (:mod:`.forward.snapshot_folder`) does not load them.
+"""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from ..config import Config
-from .plain import PlainDataParallel
-from .protocol import DataParallelMode, JoinedState, Parked, ReducedStep, ReplicaParts
+if TYPE_CHECKING:
+    from ..config import Config
+    from .plain import PlainDataParallel
+    from .protocol import DataParallelMode, JoinedState, Parked, ReducedStep, ReplicaParts
+
+_LAZY = {
+    "PlainDataParallel": ".plain",
+    "DataParallelMode": ".protocol",
+    "JoinedState": ".protocol",
+    "Parked": ".protocol",
+    "ReducedStep": ".protocol",
+    "ReplicaParts": ".protocol",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_data_parallel(cfg: Config, run_dir: Path) -> DataParallelMode:
@@ -22,6 +44,8 @@ def build_data_parallel(cfg: Config, run_dir: Path) -> DataParallelMode:
         from .forward import ForwardRecovery
 
         return ForwardRecovery(cfg, run_dir)
+    from .plain import PlainDataParallel
+
     return PlainDataParallel(cfg, run_dir)
 
 

@@ -49,7 +49,8 @@ from .incidents import Incidents
 from .members import Members
 from .rank_state import RankState
 from .rejoin import Rejoin
-from .restore import restore_from_snapshots, snapshot_layout_id, snapshot_run_id
+from .restore import restore_from_snapshots, snapshot_layout_id
+from .snapshot_folder import snapshot_run_id
 from .snapshots import NodeSnapshots, SnapshotSkipped
 from .step import StepTransaction
 from .stops import StopJob, Stops

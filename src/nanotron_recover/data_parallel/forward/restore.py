@@ -19,21 +19,10 @@ held the same state, so any replica's snapshot of a ``(pp, tp)`` coordinate will
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-
-from ...checkpoint import run_identity
 from ...config import Config
 from ...engines.state import EngineState
 from .snapshots import NodeSnapshots
 from .state_transfer import transfer_state
-
-
-def snapshot_run_id(cfg: Config, run_dir: Path) -> str:
-    """The run a snapshot belongs to: the trajectory's identity and the run directory (two runs of
-    one config in two directories never read each other's snapshots)."""
-    where = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:8]
-    return f"{run_identity(cfg)}-{where}"
 
 
 def snapshot_layout_id(cfg: Config) -> str:

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from nanotron_recover.data_parallel.forward import members as members_module
-from nanotron_recover.data_parallel.forward.restore import snapshot_layout_id, snapshot_run_id
+from nanotron_recover.data_parallel.forward.restore import snapshot_layout_id
+from nanotron_recover.data_parallel.forward.snapshot_folder import snapshot_run_id
 from nanotron_recover.data_parallel.forward.snapshots import NodeSnapshots
 from nanotron_recover.engines.state import EngineState
 from nanotron_recover.errors import ExitCode, StopRun
