@@ -359,3 +359,24 @@ def test_sbatch_script_turns_the_heartbeat_on_and_exits_with_the_outcome(tmp_pat
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     subprocess.run(["bash", "-n", str(path)], check=True, timeout=30)
+
+
+@pytest.mark.mpi
+def test_the_mpirun_line_leaves_the_libfabric_btl_out_and_still_reduces(tmp_path: Path):
+    """Open MPI's libfabric BTL (one-sided traffic only, which the project never uses) closes with
+    a one-second sleep inside every MPI_Init where libfabric has no provider: the product's mpirun
+    line leaves it out, and its ranks still reduce over the BTLs that remain."""
+    program = (
+        "from mpi4py import MPI\n"
+        "import numpy as np\n"
+        "out = np.zeros(1)\n"
+        "MPI.COMM_WORLD.Allreduce(np.ones(1), out)\n"
+        "print('sum', int(out[0]), flush=True)\n"
+    )
+    cmd = launcher.mpirun_command(2, [sys.executable, "-c", program])
+    done = run_process(cmd, timeout=120, env={**single_rank_env(), "OMPI_MCA_btl_base_verbose": "100"})
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert output.count("sum 2") == 2, output[-3000:]
+    assert "found loaded component tcp" in output and "found loaded component sm" in output
+    assert "found loaded component ofi" not in output, output[-3000:]

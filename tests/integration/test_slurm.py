@@ -117,7 +117,7 @@ def test_gpu_script_directives_and_launch_line(tmp_path):
     ]:
         assert line in script.splitlines(), line
     assert (
-        "--with-ft ulfm --prtemca state_base_recoverable 1 --mca coll ^han,cuda --mca async_mpi_finalize 1"
+        "--with-ft ulfm --prtemca state_base_recoverable 1 --mca coll ^han,cuda --mca btl ^ofi --mca async_mpi_finalize 1"
         in script
     )
     assert "--map-by ppr:8:node" in script and "-n 512" in script

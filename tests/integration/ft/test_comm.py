@@ -50,6 +50,9 @@ def run_worker(tmp_path: Path, n: int, *args: str, mca: list[str] | None = None)
         "--mca",
         "coll",
         "^han,cuda",
+        "--mca",
+        "btl",
+        "^ofi",  # launcher.NO_OFI_BTL: a second less in every MPI_Init
         *(mca or []),
         "-n",
         str(n),

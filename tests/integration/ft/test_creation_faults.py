@@ -55,6 +55,9 @@ def _start(out: Path, n: int, worker: str, *args: str) -> subprocess.Popen[str]:
         "--mca",
         "coll",
         "^han,cuda",
+        "--mca",
+        "btl",
+        "^ofi",  # launcher.NO_OFI_BTL: a second less in every MPI_Init
     ]
     cmd += ["-n", str(n), sys.executable, str(WORKERS / worker), "--out", str(out), *args]
     env = {
