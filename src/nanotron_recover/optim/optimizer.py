@@ -19,14 +19,16 @@ from torch import nn
 
 from ..config import OptimizerArgs
 from ..parallel.sharding import ParamSpec
+from .adamw import AdamW
 from .grad_buffer import GradBuffer
 
 
 def build_adamw(params: list[torch.Tensor], args: OptimizerArgs) -> torch.optim.AdamW:
-    """AdamW with the config's betas, eps and weight decay over fp32 master ``params`` (both engines)."""
+    """AdamW with the config's betas, eps and weight decay over fp32 master ``params`` (both engines):
+    torch's, without its compiler's import (:mod:`.adamw`)."""
     f = args.optimizer_factory
     fused = f.torch_adam_is_fused and all(p.is_cuda for p in params)
-    return torch.optim.AdamW(
+    return AdamW(
         params,
         lr=args.learning_rate_scheduler.learning_rate,
         betas=(f.adam_beta1, f.adam_beta2),
