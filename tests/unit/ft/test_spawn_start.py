@@ -22,8 +22,9 @@ def test_the_spawn_command_names_the_heartbeat_and_runs_the_cli(tmp_path, monkey
     monkeypatch.setattr(sys, "argv", ["cli", "train", "--config", "c.yaml"])
     monkeypatch.setattr(fencing, "mine", lambda: None)
     cmd = spawn_command(tmp_path, 0.5)
-    assert cmd[:2] == ["env", f"{ENV}={tmp_path}|0.5"]
-    assert cmd[2:] == [sys.executable, "-m", "nanotron_recover.cli", "train", "--config", "c.yaml"]
+    # ULFM's detector off in the spawned world: a partitioned pair must not report each other dead.
+    assert cmd[:3] == ["env", f"{ENV}={tmp_path}|0.5", "OMPI_MCA_mpi_ft_detector=false"]
+    assert cmd[3:] == [sys.executable, "-m", "nanotron_recover.cli", "train", "--config", "c.yaml"]
 
 
 def test_the_cli_module_beats_before_its_imports_end(tmp_path):

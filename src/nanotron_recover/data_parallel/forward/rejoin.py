@@ -368,6 +368,17 @@ def members_wait_s(args: Any) -> float:
     return min(args.rejoin.join_timeout_s, max(30.0, 6 * args.heartbeat_timeout_s))
 
 
+# Processes spawned together form a world of their own, whose ring ULFM's detector watches: in a
+# pair spawned onto two nodes, each observes the other. When one node's link is cut, each side
+# declares the other failed, and once the link is back the cut-off process's report reaches the
+# healthy one, which aborts ("I have been reported dead by someone else"): a healthy replica lost.
+# The 60-fault cluster campaign lost 2 that way, in 3 link cuts of a node that held one of a pair.
+# A spawned process's freeze is found by its heartbeat file instead (ft/liveness.py,
+# frozen_processes.py), as for a process spawned alone, whose world has no ring; its crash by the
+# runtime, as for every process.
+SPAWNED_DETECTOR_OFF = "OMPI_MCA_mpi_ft_detector=false"
+
+
 def spawn_start_s(args: Any) -> float:
     """How long the members of a re-join wait for each spawned process's first heartbeat: it
     beats before its imports (``ft/spawn_start.py``), so two heartbeat timeouts (at least 15 s)
@@ -380,12 +391,14 @@ def spawn_command(run_dir: Any, period_s: float) -> list[str]:
     heartbeat file and period (it beats from its first moments: ``ft/spawn_start.py``) and this
     job's fencing token (``fencing.py``) in its environment: the runtime does not pass the job's
     environment on to spawned processes on every launcher, and a replacement must not adopt a
-    token newer than the job that made it."""
+    token newer than the job that made it.
+
+    ULFM's heartbeat detector off in the spawned world (:data:`SPAWNED_DETECTOR_OFF`)."""
     from ...ft.spawn_start import ENV as BEAT_ENV
     from ...ft.spawn_start import beat_value
 
     cmd = [sys.executable, "-m", "nanotron_recover.cli", *sys.argv[1:]]
-    env = [f"{BEAT_ENV}={beat_value(run_dir, period_s)}"]
+    env = [f"{BEAT_ENV}={beat_value(run_dir, period_s)}", SPAWNED_DETECTOR_OFF]
     token = fencing.mine()
     if token is not None:
         env.append(f"{fencing.ENV}={token}")
