@@ -47,7 +47,20 @@ pytestmark = [
 
 def _start(out: Path, *args: str) -> subprocess.Popen[str]:
     cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm"]
-    cmd += ["--mca", "coll", "^han,cuda", "--mca", "btl", "^ofi", "-n", str(N), sys.executable, str(WORKER), "--out", str(out)]
+    cmd += [
+        "--mca",
+        "coll",
+        "^han,cuda",
+        "--mca",
+        "btl",
+        "^ofi",
+        "-n",
+        str(N),
+        sys.executable,
+        str(WORKER),
+        "--out",
+        str(out),
+    ]
     cmd += ["--window", str(WINDOW), *args]
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     return subprocess.Popen(
