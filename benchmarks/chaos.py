@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import describe, machine_info, write_json
+from common import describe, machine_info, portable, write_json
 
 from nanotron_recover.chaos.kinds import LOCAL_KINDS
 from nanotron_recover.demo import tiny_config_path
@@ -88,7 +88,9 @@ def main() -> int:
             "every fault sent from outside by `nanotron-recover chaos`.",
             "",
         ]
-        (out / "chaos_local.md").write_text("\n".join(header) + (run_dir / "chaos.md").read_text())
+        # Through portable(), like the JSON: the report names the scratch run folder.
+        report = portable("\n".join(header) + (run_dir / "chaos.md").read_text())
+        (out / "chaos_local.md").write_text(report)
         print((out / "chaos_local.md").read_text())
     return 0 if rc == 0 else 1
 

@@ -47,8 +47,9 @@ One concept per module, each importing only those above it:
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from .async_save import VERDICT_GRACE_S, PendingSave
@@ -94,11 +95,7 @@ _LAZY = {
     "save_checkpoint": ".save",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY)
 
 
 __all__ = [

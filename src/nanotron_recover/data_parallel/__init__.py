@@ -6,30 +6,28 @@ part of the package (:mod:`.forward.snapshot_folder`) does not load them.
 
 from __future__ import annotations
 
-import importlib
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from ..config import Config
     from .plain import PlainDataParallel
     from .protocol import DataParallelMode, JoinedState, Parked, ReducedStep, ReplicaParts
 
-_LAZY = {
-    "PlainDataParallel": ".plain",
-    "DataParallelMode": ".protocol",
-    "JoinedState": ".protocol",
-    "Parked": ".protocol",
-    "ReducedStep": ".protocol",
-    "ReplicaParts": ".protocol",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(
+    __name__,
+    {
+        "PlainDataParallel": ".plain",
+        "DataParallelMode": ".protocol",
+        "JoinedState": ".protocol",
+        "Parked": ".protocol",
+        "ReducedStep": ".protocol",
+        "ReplicaParts": ".protocol",
+    },
+)
 
 
 def build_data_parallel(cfg: Config, run_dir: Path) -> DataParallelMode:

@@ -7,9 +7,9 @@ of ``world`` (a unit test, the policy code, a CLI tool) must not pay for or be a
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ..lazy_names import lazy_names
 from .failstop import Watchdog, fail_stop
 from .topology import RankCoords, Topology
 from .world import AllReplicasFailed, FTError, RecoveryResult, StaleEpoch, WorldChanged
@@ -17,13 +17,9 @@ from .world import AllReplicasFailed, FTError, RecoveryResult, StaleEpoch, World
 if TYPE_CHECKING:
     from .comm import FAULT_ERROR_CLASSES, FaultTolerantComm, is_fault
 
-_COMM_NAMES = frozenset({"FAULT_ERROR_CLASSES", "FaultTolerantComm", "is_fault"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _COMM_NAMES:
-        return getattr(importlib.import_module(".comm", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(
+    __name__, {name: ".comm" for name in ("FAULT_ERROR_CLASSES", "FaultTolerantComm", "is_fault")}
+)
 
 
 __all__ = [

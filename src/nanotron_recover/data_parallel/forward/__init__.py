@@ -8,18 +8,14 @@ process that only needs the snapshot folder (``snapshots clean`` on every node a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ...lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from .mode import ForwardRecovery
 
-
-def __getattr__(name: str) -> Any:
-    if name == "ForwardRecovery":
-        from .mode import ForwardRecovery
-
-        return ForwardRecovery
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, {"ForwardRecovery": ".mode"})
 
 
 __all__ = ["ForwardRecovery"]
