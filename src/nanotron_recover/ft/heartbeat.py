@@ -23,6 +23,8 @@ rank a busy node still starves past the timeout is repaired like any failure, al
 The detector is configured through MCA parameters, which MPI reads when it is initialized: the
 launcher passes them on the ``mpirun`` line, and each rank also sets them as environment defaults
 before ``mpi4py.MPI`` is first imported, so a job started by hand gets the config's values too.
+Processes spawned by a re-join run with the detector off (``data_parallel/forward/rejoin.py``,
+``SPAWNED_DETECTOR_OFF``): their heartbeat files watch them instead.
 """
 
 from __future__ import annotations

@@ -60,8 +60,6 @@ class AdamW(torch.optim.AdamW):
             steps: list[torch.Tensor] = []
             # torch's own lazy state initialization: the same state tensors, dtypes and devices.
             self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, [], steps)
-            if any(p.device.type != "cpu" or torch.is_complex(p) for p in params):
-                raise AssertionError("AdamW's written-out step is for real CPU tensors")  # _plain_loop
             _adamw_loop(params, grads, exp_avgs, exp_avg_sqs, steps, group)
         return None
 
