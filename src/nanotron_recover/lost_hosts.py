@@ -93,7 +93,15 @@ class LostHostWatch:
         return found
 
     def _hosts_of(self, incident: dict[str, Any]) -> set[str]:
-        """The hosts the incident's failed ranks ran on (the rank table), among the job's hosts."""
+        """The hosts the incident's failed ranks ran on, among the job's hosts.
+
+        The incident names them (``failed_hosts``, read when the failure surfaced). The rank table
+        is only the fallback for a record without them: a re-join that commits before this poll
+        gives a failed rank's number to its replacement, and the table then names the
+        replacement's host, which answers, instead of the lost one."""
+        named = incident.get("failed_hosts")
+        if isinstance(named, list) and named:
+            return {str(h) for h in named if h in self.hosts}
         try:
             table = json.loads((self.run_dir / "ranks.json").read_text())
         except (OSError, ValueError):

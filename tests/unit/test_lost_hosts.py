@@ -14,8 +14,17 @@ def write_ranks(run_dir: Path, hosts: list[str]) -> None:
     (run_dir / "ranks.json").write_text(json.dumps(table))
 
 
-def incident(run_dir: Path, kind: str, failed_ranks: list[int], partial: bool = False) -> None:
-    line = json.dumps({"step": 4, "kind": kind, "failed_ranks": failed_ranks})
+def incident(
+    run_dir: Path,
+    kind: str,
+    failed_ranks: list[int],
+    partial: bool = False,
+    failed_hosts: list[str] | None = None,
+) -> None:
+    record = {"step": 4, "kind": kind, "failed_ranks": failed_ranks}
+    if failed_hosts is not None:
+        record["failed_hosts"] = failed_hosts
+    line = json.dumps(record)
     with open(run_dir / "incidents.jsonl", "a") as f:
         f.write(line[: len(line) // 2] if partial else line + "\n")
 
@@ -38,6 +47,21 @@ def test_a_hang_whose_host_is_silent_names_the_host_once(tmp_path):
     assert watch.poll() == "hosts b of ranks the job lost do not answer"
     assert watch.last_answering == ["a", "c"]
     assert watch.poll() is None  # said once
+
+
+def test_the_lost_host_is_the_incidents_not_the_rank_tables_after_a_rejoin(tmp_path):
+    # Rank 1 failed on b (cut off); its replacement re-joined on the spare d before the supervisor
+    # polled, and the rank table now says rank 1 is on d, which answers. The incident's own hosts
+    # name b, which does not: the job is relaunched without it.
+    write_ranks(tmp_path, ["a", "d", "c"])
+    probe = Probe(["a", "c", "d"])
+    watch = LostHostWatch(tmp_path, ["a", "b", "c", "d"], probe)
+    incident(tmp_path, "crash", [1], failed_hosts=["b"])
+    assert watch.poll() == "hosts b of ranks the job lost do not answer"
+    # Without the incident's hosts the table is the fallback, and names d, which answers.
+    watch2 = LostHostWatch(tmp_path, ["a", "b", "c", "d"], probe)
+    incident(tmp_path, "crash", [1])
+    assert watch2.poll() is None
 
 
 def test_a_rank_lost_on_a_healthy_host_costs_no_relaunch(tmp_path):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...failures import Kind, Phase, incident_kind
@@ -45,6 +45,10 @@ class Incident:
     noticed: float  # perf_counter when this survivor learned of the failure
     failed_at: float | None  # wall clock of the failure, from a failure record
     compute_s: float = 0.0  # redone micro-batches after noticing (excluded from recover_s)
+    # The hosts the failed ranks ran on, read when the failure surfaced: a re-join later gives a
+    # failed rank's number to its replacement on another host, so the rank table is no longer
+    # the place to look (the supervisor probes these hosts, ``lost_hosts.py``).
+    failed_hosts: list[str] = field(default_factory=list)
 
 
 class Incidents:
@@ -65,6 +69,7 @@ class Incidents:
         """The incident of one recovery, and the failure records of the ranks it lost."""
         s = self.s
         pids = {r: s.ftc.processes[r].pid for r in result.failed_ranks}
+        hosts = sorted({s.ftc.processes[r].host for r in result.failed_ranks})
         records = read_records(s.run_dir, list(result.failed_ranks), since=s.started, pids=pids)
         causes = [r for r in records if r["kind"] != Kind.PEER_ERROR]
         kinds = {r["kind"] for r in records}
@@ -83,6 +88,7 @@ class Incidents:
             extra_microbatches=extra,
             noticed=time.perf_counter(),
             failed_at=min(r["time"] for r in causes) if causes else None,
+            failed_hosts=hosts,
         )
         return incident, records
 
@@ -133,6 +139,7 @@ class Incidents:
                 "kind": inc.kind,
                 "failed_replicas": list(r.failed_replicas),
                 "failed_ranks": list(r.failed_ranks),
+                "failed_hosts": list(inc.failed_hosts),
                 "hung_ranks": list(r.hung_ranks),
                 "epoch": r.new_epoch,
                 "action": inc.action,

@@ -71,6 +71,8 @@ def test_replica_lost_mid_step_still_sums_the_full_batch(tmp_path, where):
     (incident,) = job.incidents
     assert incident["step"] == 1
     assert incident["failed_replicas"] == [3] and incident["failed_ranks"] == [3]
+    # The failed rank's host as it was when the failure surfaced (the supervisor probes it).
+    assert incident["failed_hosts"] == [job.comm.processes[3].host]
     assert incident["action"] == "policy_boundary"
     assert incident["lost_ids"] == [6, 7] and incident["extra_microbatches"] == 2
     assert incident["epoch"] == 1 and incident["alive_replicas"] == [0, 1, 2]
