@@ -9,8 +9,11 @@ emulated cluster) and then aborts the whole job anyway (docs/architecture.md, se
 for that abort costs the time between the two, with no step gained: the job is relaunched after
 it either way.
 
-So the supervisor reads the incidents as they are written (:class:`LostHostWatch`). When a
-recovery lost ranks (``crash`` or ``hang``), it probes the hosts those ranks ran on
+So the supervisor reads the incidents as they are written (:class:`LostHostWatch`), and, sooner,
+the processes a rank named failed the moment it learned it (``ft/suspects.py``: a survivor that
+learns of a cut may wait for the link in the DP reduction, and commit nothing to write an incident
+of, until the link is back). When a recovery lost ranks (``crash`` or ``hang``), or a rank named
+a failed process, it probes the hosts those ranks ran on
 (``hosts.HostPlan.answering``, all hosts at once so that the answering ones set how long the
 silent one may take; bounded, ``host_probe.py``). A host that does not answer is lost: the
 supervisor ends the job and relaunches it on the hosts that answer, from node memory, at once. A
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .failures import Kind
+from .ft.suspects import host_of, suspect_names
 
 LOSS_KINDS = (Kind.CRASH, Kind.HANG)
 
@@ -50,12 +54,14 @@ class LostHostWatch:
         )
         path = self.run_dir / "incidents.jsonl"
         self._offset = path.stat().st_size if path.exists() else 0  # earlier launches' incidents
+        self._named = suspect_names(self.run_dir)  # processes named failed by earlier launches
         self.lost: list[str] = []
         self.last_answering: list[str] | None = None  # the newest probe's answer, for the relaunch
 
     def poll(self) -> str | None:
         """A reason to end the job now (a host of a rank the job lost does not answer), or None."""
-        suspects = sorted({h for inc in self._new_incidents() for h in self._hosts_of(inc)} - set(self.lost))
+        hosts = {h for inc in self._new_incidents() for h in self._hosts_of(inc)} | self._newly_named()
+        suspects = sorted(hosts - set(self.lost))
         if not suspects:
             return None
         try:
@@ -71,6 +77,13 @@ class LostHostWatch:
             return None
         self.lost += gone
         return f"hosts {', '.join(gone)} of ranks the job lost do not answer"
+
+    def _newly_named(self) -> set[str]:
+        """Hosts of processes a rank named failed since the last poll (``ft/suspects.py``): named
+        the moment a rank learns of the failure, before the survivors commit the repair."""
+        names = suspect_names(self.run_dir)
+        new, self._named = names - self._named, self._named | names
+        return {host_of(n) for n in new if host_of(n) in self.hosts}
 
     def _new_incidents(self) -> list[dict[str, Any]]:
         path = self.run_dir / "incidents.jsonl"

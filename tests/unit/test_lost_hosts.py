@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from nanotron_recover.ft.processes import ProcessInfo
+from nanotron_recover.ft.suspects import note_suspects
 from nanotron_recover.lost_hosts import LostHostWatch
 
 
@@ -110,3 +112,28 @@ def test_a_probe_that_raises_names_no_host_and_says_so_once(tmp_path):
     assert watch.poll() is None and watch.last_answering is None
     assert watch.poll() is None  # the same incident is not probed again
     assert lines == ["probing hosts b failed (OSError: srun not found): none counted lost"]
+
+
+def test_a_process_named_failed_is_probed_before_any_incident(tmp_path):
+    # A survivor named rank 1's process on b the moment it learned it failed; no incident yet
+    # (the other survivor waits in the reduction until the link is back). b does not answer.
+    write_ranks(tmp_path, ["a", "b", "c"])
+    probe = Probe(["a", "c"])
+    watch = LostHostWatch(tmp_path, ["a", "b", "c"], probe)
+    note_suspects(tmp_path, [ProcessInfo(1, "b", 1001, None)], my_host="c")
+    note_suspects(tmp_path, [ProcessInfo(1, "b", 1001, None)], my_host="a")  # a second survivor
+    assert watch.poll() == "hosts b of ranks the job lost do not answer" and probe.calls == 1
+    assert watch.poll() is None and probe.calls == 1  # each name is probed once
+
+
+def test_names_of_earlier_launches_and_of_answering_hosts_cost_no_relaunch(tmp_path):
+    write_ranks(tmp_path, ["a", "b", "c"])
+    note_suspects(tmp_path, [ProcessInfo(2, "c", 1002, None)], my_host="a")  # an earlier launch's
+    probe = Probe(["a", "b", "c"])
+    watch = LostHostWatch(tmp_path, ["a", "b", "c"], probe)
+    assert watch.poll() is None and probe.calls == 0
+    note_suspects(tmp_path, [ProcessInfo(1, "b", 1001, None)], my_host="a")  # killed on a healthy b
+    assert watch.poll() is None and probe.calls == 1
+    # A later process on the same host is a new name, probed again.
+    note_suspects(tmp_path, [ProcessInfo(1, "b", 2001, None)], my_host="a")
+    assert watch.poll() is None and probe.calls == 2

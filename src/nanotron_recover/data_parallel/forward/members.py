@@ -34,6 +34,7 @@ from ...ft.failstop import fail_stop
 from ...ft.liveness import SpawnedMonitor, beat_once_alone, rank_heartbeat_file, start_rank_heartbeat
 from ...ft.processes import ProcessInfo, reap
 from ...ft.records import write_record
+from ...ft.suspects import note_suspects
 from ...ft.world import RecoveryResult
 from ...generation import read_generation
 from ...outcome import write_abandoned
@@ -101,8 +102,21 @@ class Members:
             write_abandoned(self.s.run_dir, f"re-join: {reason}")
 
     def on_failure_notice(self, ranks: list[int], when: float) -> None:
-        """Watch thread: a member of my replica failed while I was outside MPI: my replica is lost."""
+        """Watch thread: processes failed. Name those of other hosts for the supervisor at once
+        (``ft/suspects.py``); and a member of my replica failed while I was outside MPI: my
+        replica is lost."""
         s = self.s
+        processes = list(s.ftc.processes)
+        try:
+            note_suspects(
+                s.run_dir, [processes[r] for r in ranks if 0 <= r < len(processes)], socket.gethostname()
+            )
+        except OSError as e:
+            print(
+                f"[nanotron-recover] rank {s.ftc.rank}: failed processes not named: {e}",
+                file=sys.stderr,
+                flush=True,
+            )
         lost = sorted(s.my_replica_ranks.intersection(ranks))
         if not lost or s.joining or s.ftc.in_ft_operation or s.ftc.parked:
             return

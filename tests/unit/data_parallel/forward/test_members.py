@@ -40,3 +40,22 @@ def test_a_spawned_process_waits_for_the_members_a_few_detections(
     args = RecoverArgs(heartbeat_timeout_s=heartbeat_timeout_s)
     args.rejoin.join_timeout_s = join_timeout_s
     assert members_wait_s(args) == expected
+
+
+def test_a_failure_notice_names_the_failed_processes_of_other_hosts_at_once(tmp_path):
+    """Before any repair: the supervisor probes their hosts (``ft/suspects.py``)."""
+    import socket
+
+    from nanotron_recover.ft.processes import ProcessInfo
+    from nanotron_recover.ft.suspects import suspect_names
+
+    here = socket.gethostname()
+    processes = [
+        ProcessInfo(0, here, 100, None),
+        ProcessInfo(1, "elsewhere", 4242, None),
+        ProcessInfo(2, here, 102, None),
+    ]
+    ftc = SimpleNamespace(processes=processes, rank=0, in_ft_operation=True, parked=False)
+    s = SimpleNamespace(run_dir=tmp_path, ftc=ftc, my_replica_ranks={0}, joining=False)
+    Members(s).on_failure_notice([1, 2], when=0.0)
+    assert suspect_names(tmp_path) == {"elsewhere.4242"}  # rank 2 shares this host: the runtime's
