@@ -165,7 +165,7 @@ def summary_lines(result: dict, args: argparse.Namespace, machine: dict) -> list
         "# A chaos campaign on the emulated multi-node cluster",
         "",
         f"{describe(machine)}. `python benchmarks/chaos_cluster.py --seed {args.seed} --faults {args.faults} "
-        f"--steps {args.steps}`: {N_NODES} emulated Slurm nodes (namespaces, one slurmd each) on this machine, "
+        f"--steps {args.steps}{args.schedule_options}`: {N_NODES} emulated Slurm nodes (namespaces, one slurmd each) on this machine, "
         f"dp={DP} of the tiny model (hidden 32) with one rank per node and {N_NODES - DP} spare nodes, "
         "exact mode, re-join on, node-memory snapshots every step, a checkpoint every "
         f"{args.checkpoint_interval} steps, heartbeat 1 s / 5 s, commit deadline {args.commit_timeout_s:g} s. "
@@ -225,6 +225,32 @@ def summary_lines(result: dict, args: argparse.Namespace, machine: dict) -> list
     return lines
 
 
+# The options of a campaign's schedule and timing, besides seed, faults and steps.
+SCHEDULE_OPTIONS = (
+    "kinds",
+    "first_step",
+    "min_gap",
+    "checkpoint_interval",
+    "commit_timeout_s",
+    "restore_after_s",
+)
+
+
+def non_default_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """Those of :data:`SCHEDULE_OPTIONS` that differ from their defaults, as given: the command a
+    report shows then runs the same campaign."""
+    words = []
+    for name in SCHEDULE_OPTIONS:
+        value = getattr(args, name)
+        if value != parser.get_default(name):
+            words.append(
+                f" --{name.replace('_', '-')} {value:g}"
+                if isinstance(value, float)
+                else f" --{name.replace('_', '-')} {value}"
+            )
+    return "".join(words)
+
+
 def main() -> int:
     # A SIGTERM ends the campaign like Ctrl-C: the cluster's context manager tears it down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -248,6 +274,7 @@ def main() -> int:
         help="where each job's Slurm output, the runner's log and the incidents are copied",
     )
     args = parser.parse_args()
+    args.schedule_options = non_default_options(args, parser)
     reason = unavailable_reason()
     if reason:
         sys.exit(f"no emulated cluster on this machine: {reason}")
