@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,11 @@ def main() -> int:
     parser.add_argument("--kinds", default=",".join(LOCAL_KINDS))
     parser.add_argument("--timeout-s", type=float, default=1500)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument(
+        "--keep-run",
+        type=Path,
+        help="copy the campaign's run folder (the job's log, incidents, stall traces) here at the end",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     with tempfile.TemporaryDirectory() as tmp:
@@ -76,6 +82,8 @@ def main() -> int:
             os.killpg(proc.pid, 9)
             proc.wait()
             rc = None
+        if args.keep_run is not None:
+            shutil.copytree(run_dir, args.keep_run, dirs_exist_ok=True)
         record = json.loads((run_dir / "chaos.json").read_text())
         machine = machine_info()
         record["machine"] = machine
