@@ -106,7 +106,7 @@ class Members:
         (``ft/suspects.py``); and a member of my replica failed while I was outside MPI: my
         replica is lost."""
         s = self.s
-        processes = list(s.ftc.processes)
+        processes = list(getattr(s.ftc, "processes", None) or ())  # none before a spawned process joins
         try:
             note_suspects(
                 s.run_dir, [processes[r] for r in ranks if 0 <= r < len(processes)], socket.gethostname()
