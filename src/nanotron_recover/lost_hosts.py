@@ -5,7 +5,7 @@ A node that freezes (a kernel hang) or loses its link sends nothing. Inside the 
 heartbeat detector declares its ranks failed within ``recover.heartbeat_timeout_s`` and the
 survivors repair the step and go on; the incident is written at the next commit. Open MPI's
 runtime (PRRTE 3.0.x) notices the node's daemon is gone only much later (35-39 s measured on the
-emulated cluster) and then aborts the whole job anyway (docs/architecture.md, section 8). Waiting
+emulated cluster) and then aborts the whole job anyway (docs/architecture.md, section 7). Waiting
 for that abort costs the time between the two, with no step gained: the job is relaunched after
 it either way.
 
