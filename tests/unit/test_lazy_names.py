@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from nanotron_recover.lazy_names import lazy_names
+from tests.helpers.python_probe import probe_stdout
 
 
 def test_a_name_comes_from_its_module_and_an_unknown_one_is_an_attribute_error():
@@ -28,6 +26,5 @@ def test_the_packages_load_torch_only_when_a_heavy_name_is_asked_for():
         "from nanotron_recover.checkpoint import save_checkpoint\n"
         "print('after', 'torch' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "before False False" in done.stdout and "after True" in done.stdout, done.stdout
+    out = probe_stdout(probe)
+    assert "before False False" in out and "after True" in out, out

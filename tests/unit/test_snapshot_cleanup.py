@@ -4,8 +4,6 @@ said in one line; nothing else touched, exit 0 when there was nothing."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from nanotron_recover.data_parallel.forward.snapshot_folder import snapshot_run_
 from nanotron_recover.data_parallel.forward.snapshots import NodeSnapshots
 from nanotron_recover.engines.state import EngineState
 from nanotron_recover.snapshot_cleanup import clean_this_host
+from tests.helpers.python_probe import probe_stdout
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
@@ -149,8 +148,7 @@ def test_clean_runs_without_torch_mpi_or_the_trainer(tmp_path):
         "print('loaded:', heavy)\n"
         "sys.exit(code)\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "loaded: []" in done.stdout, done.stdout
-    assert "removed 6 files, " in done.stdout, done.stdout
+    out = probe_stdout(probe)
+    assert "loaded: []" in out, out
+    assert "removed 6 files, " in out, out
     assert not folder.exists()

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from nanotron_recover.optim.adamw import AdamW
+from tests.helpers.python_probe import probe_stdout
 
 
 def _params(seed: int) -> list[torch.Tensor]:
@@ -76,6 +74,5 @@ def test_building_and_stepping_never_imports_torchs_compiler():
         "opt.load_state_dict(opt.state_dict())\n"
         "print('dynamo', 'torch._dynamo' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "dynamo False" in done.stdout, done.stdout
+    out = probe_stdout(probe)
+    assert "dynamo False" in out, out
