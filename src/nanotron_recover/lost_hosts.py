@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .failures import Kind
-from .ft.suspects import host_of, suspect_names
+from .ft.suspects import clear_suspects, host_of, suspect_names
 
 LOSS_KINDS = (Kind.CRASH, Kind.HANG)
 
@@ -54,7 +54,8 @@ class LostHostWatch:
         )
         path = self.run_dir / "incidents.jsonl"
         self._offset = path.stat().st_size if path.exists() else 0  # earlier launches' incidents
-        self._named = suspect_names(self.run_dir)  # processes named failed by earlier launches
+        clear_suspects(self.run_dir)  # earlier launches' names: a pid they hold may be reused
+        self._named: set[str] = set()
         self.lost: list[str] = []
         self.last_answering: list[str] | None = None  # the newest probe's answer, for the relaunch
 

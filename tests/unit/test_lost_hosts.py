@@ -137,3 +137,6 @@ def test_names_of_earlier_launches_and_of_answering_hosts_cost_no_relaunch(tmp_p
     # A later process on the same host is a new name, probed again.
     note_suspects(tmp_path, [ProcessInfo(1, "b", 2001, None)], my_host="a")
     assert watch.poll() is None and probe.calls == 2
+    # This launch's process that got the pid an earlier launch's named process had is new too.
+    note_suspects(tmp_path, [ProcessInfo(2, "c", 1002, None)], my_host="a")
+    assert watch.poll() is None and probe.calls == 3

@@ -16,8 +16,9 @@ So the first rank to learn of a failure says so at once, before any repair: its 
 host (a process on its own host cannot be cut off from it, and its death is the runtime's to
 report). The name is the process, not the rank, so that a later failure on the same host is a new
 name. Many ranks may create the same file; creating it twice changes nothing. The supervisor
-lists the folder, probes the hosts it has not seen named, and relaunches without a host that does
-not answer, before the link can heal.
+empties the folder at each launch (pids are reused), lists it while the job runs, probes the
+hosts it has not seen named, and relaunches without a host that does not answer, before the link
+can heal.
 """
 
 from __future__ import annotations
@@ -57,6 +58,16 @@ def suspect_names(run_dir: str | Path) -> set[str]:
         return set(os.listdir(suspects_dir(run_dir)))
     except OSError:
         return set()
+
+
+def clear_suspects(run_dir: str | Path) -> None:
+    """Remove every name: at each launch, so that a process of a new launch that gets the pid of
+    an earlier launch's named process on the same host is a new name when it fails."""
+    for name in suspect_names(run_dir):
+        try:
+            (suspects_dir(run_dir) / name).unlink()
+        except OSError:
+            pass
 
 
 def host_of(name: str) -> str:
