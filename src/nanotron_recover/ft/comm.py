@@ -138,7 +138,7 @@ from .membership import Membership, shrink_world, split_derived
 from .partition import PartitionGuard
 from .processes import ProcessInfo, this_process
 from .topology import RankCoords, Topology
-from .ulfm import FAULT_ERROR_CLASSES, MPI, free_comm, is_fault
+from .ulfm import FAULT_ERROR_CLASSES, MPI, is_fault, retire_comm
 from .world import AllReplicasFailed, FTError, JoinFailed, JoinPlan, RecoveryResult, StaleEpoch, WorldChanged
 
 # Bits of the step agree. The agree is a bitwise AND, so a single rank that clears
@@ -396,7 +396,7 @@ class FaultTolerantComm(GridPosition):
         """Move to a new world (a committed recovery or re-join): free the old communicators and
         take these, and ``membership``; the alive ranks follow from the alive replicas."""
         for comm in (self._dp_comm, self._replica_comm, self._global):
-            free_comm(comm)
+            retire_comm(comm)
         self._global, self._replica_comm, self._dp_comm = global_comm, replica_comm, dp_comm
         self._epoch = membership.epoch
         self._alive_replicas = list(membership.alive_replicas)
@@ -520,7 +520,7 @@ class FaultTolerantComm(GridPosition):
             return
         self._closed = True
         for comm in (self._dp_comm, self._replica_comm, self._global):
-            free_comm(comm)
+            retire_comm(comm)
 
     # --------------------------------------- for .membership and .join, and internals
     def check_open(self) -> None:
@@ -563,7 +563,7 @@ class FaultTolerantComm(GridPosition):
         assert new.global_comm is not None and new.membership is not None
         self.install(new.global_comm, new.replica_comm, new.dp_comm, new.membership)
         for comm in new.spent:
-            free_comm(comm)
+            retire_comm(comm)
         # 5. The newest commit among the survivors. A process that dies right after it contributed
         # to the step agree may leave the agree returning on one survivor and raising
         # ERR_PROC_FAILED on another (the man page promises a uniform error only for a process

@@ -83,7 +83,7 @@ from .comm import FaultTolerantComm
 from .failstop import fail_stop
 from .membership import Membership, split_derived
 from .processes import ProcessInfo, this_process
-from .ulfm import MPI, creation_failed, free_comm, is_fault, reset_cid_gate, revoke_comm
+from .ulfm import MPI, creation_failed, is_fault, reset_cid_gate, retire_comm, revoke_comm
 from .watch import rebase_watch
 from .world import FTError, JoinFailed, JoinPlan, RecoveryResult
 
@@ -106,7 +106,7 @@ class PendingJoin:
     def free(self) -> None:
         for comm in (self.dp_comm, self.replica_comm, self.watch_comm, self.merged):
             revoke_comm(comm)
-            free_comm(comm)
+            retire_comm(comm)
 
 
 def begin_join(
@@ -170,7 +170,7 @@ def begin_join(
             _stage_agree(glob, error is None, "during the spawn", error, could_not_start=True)
         except JoinFailed:
             revoke_comm(inter)  # spawned processes waiting in their Merge die (fail_stop)
-            free_comm(inter)
+            retire_comm(inter)
             raise
         merged = None
         try:
@@ -185,9 +185,9 @@ def begin_join(
         except JoinFailed:
             for comm in (merged, inter):
                 revoke_comm(comm)
-                free_comm(comm)
+                retire_comm(comm)
             raise
-        free_comm(inter)
+        retire_comm(inter)
         merged.Set_errhandler(MPI.ERRORS_RETURN)
         try:
             merged.bcast(header if merged.Get_rank() == 0 else None, root=0)  # to the spawned ones

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from .failstop import fail_stop
 from .processes import ProcessInfo, reap, still_running
 from .topology import RankCoords
-from .ulfm import MPI, creation_failed, free_comm, is_fault, revoke_comm
+from .ulfm import MPI, creation_failed, is_fault, retire_comm, revoke_comm
 from .world import RecoveryResult
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ def shrink_world(ftc: FaultTolerantComm, trigger: str, *, detect_s: float, entry
         if committed:
             break
         for comm in (new_dp, new_replica, new_global):
-            free_comm(comm)
+            retire_comm(comm)
         discarded.append(shrunk)
         cur = shrunk
     base_group.Free()

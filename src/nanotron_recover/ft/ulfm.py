@@ -121,14 +121,35 @@ def revoke_comm(comm: MPI.Comm | None) -> None:
         pass  # already revoked, or its peers are gone: the revoke is best effort by design
 
 
-def free_comm(comm: MPI.Comm | None) -> None:
-    """Free ``comm`` (None and ``COMM_NULL`` are skipped), ignoring errors."""
+# Every communicator this process ever retired (see :func:`retire_comm`): held, never freed.
+_RETIRED: list[MPI.Comm] = []
+
+
+def retire_comm(comm: MPI.Comm | None) -> None:
+    """Stop using ``comm`` without freeing it (None and ``COMM_NULL`` are skipped).
+
+    Freeing a communicator gives its context id back, and the next creation may take it with the
+    same ULFM epoch: Open MPI 5.0.x (ompi/communicator/comm_cid.c, ``ompi_comm_nextcid_check_flag``)
+    sets a new communicator's ``c_epoch`` to one more than the most communicators any member has
+    created, which repeats when the member that had created the most is gone and a process spawned
+    since has created fewer. The ERA agreement (ompi/mca/coll/ftagree/coll_ftagree_earlyreturning.c)
+    names each ``Agree`` by (context id, epoch, sequence number) and keeps decided agreements in a
+    process-wide history that freeing the communicator does not clear; a new communicator that
+    takes the same context id and epoch starts its sequence at 1 again and meets the old decisions
+    ("removing old agreement ... from history, due to cycling of identifiers"). Seen in a one-host
+    chaos campaign (4 replicas: kill, re-join, freeze, re-join, kill, re-join): the 34th step agree
+    on the world made by the last re-join met the decision of the 34th agree of the world before
+    it, the one torn by the kill, and every time the job stopped there, one survivor in the
+    recovery and the others in the agree (``test_creation_faults.py`` in tests/integration/ft
+    reproduces the collision with 4 processes). No upstream report or fix as of Open MPI 5.0.11 and main
+    (2026-12).
+
+    Holding every retired communicator keeps its context id taken in this process, so a later
+    communicator with a member that agreed on it gets another id. The cost is a few hundred bytes
+    per communicator, a handful per fault."""
     if comm is None or comm == MPI.COMM_NULL:
         return
-    try:
-        comm.Free()
-    except MPI.Exception:
-        pass  # a communicator with dead members may refuse; leaking one handle is harmless
+    _RETIRED.append(comm)
 
 
 __all__ = [
@@ -136,7 +157,7 @@ __all__ = [
     "LIBNBC_FAULT_ERROR_CLASSES",
     "MPI",
     "creation_failed",
-    "free_comm",
+    "retire_comm",
     "is_fault",
     "reset_cid_gate",
     "revoke_comm",

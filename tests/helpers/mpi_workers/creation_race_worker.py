@@ -79,7 +79,7 @@ def main() -> None:
         if revoker is not None:
             revoker.join()
         base.Barrier()
-        ulfm.free_comm(comm)
+        ulfm.retire_comm(comm)
     _write(args.out, f"rank{rank}.json", {"rank": rank, "errors": errors, "done": True})
     os._exit(0)
 

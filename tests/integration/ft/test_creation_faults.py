@@ -1,15 +1,19 @@
 """Communicator creations torn by a failure or a revoke, on Open MPI 5.0.11, and their workarounds.
 
-Two defects of Open MPI on the fault-tolerant communicator's path, each reproduced here with plain
-mpi4py and handled by :func:`nanotron_recover.ft.ulfm.creation_failed`, which every failed creation
-in ``ft/`` (``membership.py``, ``join.py``) goes through:
+Three defects of Open MPI on the fault-tolerant communicator's path, each reproduced here with plain
+mpi4py and handled in ``nanotron_recover.ft.ulfm``, which every creation and every retired communicator in
+``ft/`` (``comm.py``, ``membership.py``, ``join.py``) goes through:
 
 - the context-id gate (``ulfm.reset_cid_gate``): a ``Dup`` torn by a SIGKILLed member leaves
   ``ompi_comm_cid_lowest_id`` set (ompi/communicator/comm_cid.c), and every later creation from a
   communicator with a higher context id spins forever; ``tests/helpers/mpi_workers/cid_gate_worker.py``;
 - ``MPI_ERR_OTHER`` from libnbc (``ulfm.LIBNBC_FAULT_ERROR_CLASSES``, open-mpi/ompi#14353): a
   ``Dup`` or ``Split`` torn by a revoke sometimes raises ``ERR_OTHER`` instead of
-  ``ERR_REVOKED``; ``tests/helpers/mpi_workers/creation_race_worker.py``.
+  ``ERR_REVOKED``; ``tests/helpers/mpi_workers/creation_race_worker.py``;
+- a context id and ULFM epoch used twice (``ulfm.retire_comm``): a communicator freed after its
+  members agreed on it gives its context id to a later creation, whose epoch can repeat, and the
+  ERA agreement meets the freed one's decisions in its history;
+  ``tests/helpers/mpi_workers/epoch_reuse_worker.py``.
 
 A hang fails a test through its job's timeout (the job is then killed as a whole).
 """
@@ -146,3 +150,41 @@ def test_creations_torn_by_a_revoke_count_as_faults(tmp_path: Path) -> None:
     assert others, f"no ERR_OTHER in {len(errors)} torn creations"
     assert not any(e["blocking_is_fault"] for e in others)
     assert {e["op"] for e in errors} == {"dup", "split"}
+
+
+# What Open MPI 5.0.11 prints when an agreement's identifier is already in its history.
+CYCLED = "due to cycling of identifiers"
+
+
+def _epoch_reuse(out: Path, *args: str) -> tuple[dict[int, dict[str, Any]], str]:
+    """Run ``epoch_reuse_worker.py`` on 4 ranks: every rank's record and mpirun's output."""
+    proc = _start(out, 4, "epoch_reuse_worker.py", *args)
+    try:
+        log, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        log, _ = proc.communicate()
+        pytest.fail(f"mpirun timed out after {RUN_TIMEOUT_S}s\n{log[-4000:]}")
+    res = rank_results(out, proc.returncode, log)
+    assert proc.returncode == 0 and sorted(res) == [0, 1, 2, 3], (proc.returncode, res, log[-3000:])
+    return res, log
+
+
+def test_a_retired_communicator_keeps_its_identifiers_from_the_next_one(tmp_path: Path) -> None:
+    """Ranks 0-2 agree on a communicator and retire it (``ulfm.retire_comm``); ranks 0, 1 and 3
+    then create and agree on communicators until their epoch passes the retired one's. None may
+    take the retired one's context id, so no agreement meets an old decision, and every agree
+    returns the value agreed on."""
+    res, log = _epoch_reuse(tmp_path / "out")
+    assert all(d["done"] and d["all_one"] for d in res.values()), res
+    assert [res[r]["agrees"] for r in range(4)] == [5 + 6 * 20, 5 + 6 * 20, 5, 6 * 20], res
+    assert CYCLED not in log, log[-3000:]
+
+
+def test_a_freed_communicator_gives_its_identifiers_to_the_next_one(tmp_path: Path) -> None:
+    """The same with ``Free``: one of the later communicators takes the freed one's context id and
+    epoch, and its 5th agree meets the freed one's 5th in the history of ranks 0 and 1. Shows the
+    defect is still there in the Open MPI the tests run on; if this test fails, Open MPI no longer
+    reuses the identifiers and ``ulfm.retire_comm`` can free again."""
+    _, log = _epoch_reuse(tmp_path / "out", "--free")
+    assert CYCLED in log, log[-3000:]
