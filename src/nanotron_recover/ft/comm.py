@@ -71,15 +71,15 @@ reports that some rank is recovering, or when the caller asks for it.
    d. *commit agree* ``shrunk.Agree(ok)`` by every member of ``shrunk``, leavers
       included. ``shrunk`` contains every member of the new communicators, so
       any failure among them before this point makes the agree fail, uniformly.
-      Agreed 1: the round commits. Anything else: free what the round built,
+      Agreed 1: the round commits. Anything else: retire what the round built,
       ``cur = shrunk`` and run another round; the failed sets are recomputed
       against the *pre-recovery* world, so they only grow.
 
 4. After the commit, leavers call the ``on_leave`` hook and :func:`fail_stop`
    (SIGKILL; a non-zero exit would not be reported, see docs/architecture.md, "How each kind of
    fault ends").
-   Survivors free the old communicators, install the new ones and bump
-   ``epoch`` by one. A failed rank whose process still runs on a survivor's
+   Survivors retire the old communicators (held, never freed: ``ulfm.retire_comm``),
+   install the new ones and bump ``epoch`` by one. A failed rank whose process still runs on a survivor's
    host (frozen: the heartbeat detector declared it) is SIGKILLed there
    (:mod:`.processes`), so it never wakes up into a world that moved on. Every survivor took part in the same committed round, so
    they all hold the same epoch and alive set. If no replica is left, every rank
@@ -393,7 +393,7 @@ class FaultTolerantComm(GridPosition):
         dp_comm: MPI.Comm | None,
         membership: Membership,
     ) -> None:
-        """Move to a new world (a committed recovery or re-join): free the old communicators and
+        """Move to a new world (a committed recovery or re-join): retire the old communicators and
         take these, and ``membership``; the alive ranks follow from the alive replicas."""
         for comm in (self._dp_comm, self._replica_comm, self._global):
             retire_comm(comm)
@@ -514,7 +514,7 @@ class FaultTolerantComm(GridPosition):
         stop_watch()
 
     def close(self) -> None:
-        """Free the owned communicators (end of job). Idempotent."""
+        """Retire the owned communicators (end of job). Idempotent."""
         self.stop_watch()
         if self._closed:
             return

@@ -62,9 +62,9 @@ On members, an abort before the commit is :class:`~.world.JoinFailed`, raised by
 :func:`begin_join` on every member alike once it revoked and freed what the stage built;
 ``could_not_start`` says that the spawn itself could not start, a lack of resources rather than a
 fault (the caller tries again later). Nothing changed: the members keep their communicators and
-epoch. An abort at the commit is :func:`commit_join` returning False on every member: it frees the
-join's communicators and keeps the old world; a member that died is then found by the next step's
-agree, like any failure. Either way the job goes on at its width.
+epoch. An abort at the commit is :func:`commit_join` returning False on every member: it revokes
+and retires the join's communicators and keeps the old world; a member that died is then found by
+the next step's agree, like any failure. Either way the job goes on at its width.
 
 On spawned processes an abort never returns. A spawned process whose ``Merge`` or header broadcast
 fails (the members revoked the intercommunicator or ``merged`` when a stage failed, or one of them

@@ -59,7 +59,7 @@ class NewWorld:
     replica_comm: MPI.Comm | None  # None on a parked rank too
     dp_comm: MPI.Comm | None  # None on a parked rank too
     membership: Membership | None
-    spent: list[MPI.Comm]  # the rounds' shrunk communicators: freed once the new world is installed
+    spent: list[MPI.Comm]  # the rounds' shrunk communicators: retired once the new world is installed
 
 
 def split_derived(
