@@ -7,15 +7,16 @@ numbers recorded in a file.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
-import subprocess
-import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 
+from nanotron_recover.cli import main as cli_main
 from nanotron_recover.config import load_config
 from nanotron_recover.policy import repair, steady_plan
 from nanotron_recover.simulate import validation
@@ -309,9 +310,23 @@ def test_set_constant_overrides_the_value_and_says_so():
 
 
 # -- the CLI -----------------------------------------------------------------------------------
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "nanotron_recover.cli", "simulate", "--config", str(LLAMA7B), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+@dataclass
+class _Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _cli(*args: str) -> _Ran:
+    """``nanotron-recover simulate --config <llama 7B> *args`` through the console script's entry
+    point, in this process (a subprocess per call cost seconds of imports)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli_main(["simulate", "--config", str(LLAMA7B), *args])
+        except SystemExit as stop:  # argparse refusing an argument
+            code = stop.code if isinstance(stop.code, int) else 1
+    return _Ran(code, out.getvalue(), err.getvalue())
 
 
 def test_cli_prints_the_table_beside_the_paper(tmp_path):
