@@ -138,10 +138,10 @@ def retire_comm(comm: MPI.Comm | None) -> None:
     takes the same context id and epoch starts its sequence at 1 again and meets the old decisions
     ("removing old agreement ... from history, due to cycling of identifiers"). Seen in a one-host
     chaos campaign (4 replicas: kill, re-join, freeze, re-join, kill, re-join): the 34th step agree
-    on the world made by the last re-join met the decision of the 34th agree of the world before
-    it, the one torn by the kill, and every time the job stopped there, one survivor in the
-    recovery and the others in the agree (``test_creation_faults.py`` in tests/integration/ft
-    reproduces the collision with 4 processes). No upstream report or fix as of Open MPI 5.0.11 and main
+    on the world made by the last re-join met a decision of the world before it, which the kill
+    had torn, and in 2 of 4 runs the job stopped there, one survivor in the recovery and the
+    others in the agree (``test_creation_faults.py`` in tests/integration/ft reproduces the
+    collision with 4 processes). No upstream report or fix as of Open MPI 5.0.11 and main
     (2026-12).
 
     Holding every retired communicator keeps its context id taken in this process, so a later
