@@ -541,6 +541,17 @@ exec nsenter --net="$ns" --uts=/proc/"$pid"/ns/uts --mount=/proc/"$pid"/ns/mnt -
         self._frozen.discard(n.name)
         return found
 
+    def power_off_together(self, nodes: list[str | Node], timeout_s: float = 15) -> None:
+        """Power loss of several nodes at one moment (a rack's PDU): every process of every node gets
+        its SIGKILL in one pass before any node is waited for, so no node outlives another by the
+        seconds a runtime needs to see the first one go."""
+        ns = [self.get_node(node) for node in nodes]
+        for n in ns:
+            self._signal_all(n, signal.SIGKILL)
+        for n in ns:
+            self._kill_all(n, timeout_s)
+            self._frozen.discard(n.name)
+
     def power_on(self, node: str | Node, wait_idle_s: float | None = 120) -> None:
         """Boot ``node`` again: fresh namespaces (hostname, empty ``/dev/shm``) and slurmd. With
         ReturnToService=2 slurmctld takes it back once it registers; ``wait_idle_s`` waits for that."""
