@@ -532,25 +532,24 @@ exec nsenter --net="$ns" --uts=/proc/"$pid"/ns/uts --mount=/proc/"$pid"/ns/mnt -
         goes with its last process. Returns the pids it found. ``drop_link``: the link goes down
         first, as with a real power loss, so no peer gets a connection reset from the dying
         processes: they learn of it only from silence."""
-        n = self.get_node(node)
-        if drop_link:
-            self.cut_link(n)
-            self._dark.add(n.name)
-        found = self.pids(n)
-        self._kill_all(n, timeout_s)
-        self._frozen.discard(n.name)
-        return found
+        return self.power_off_together([node], timeout_s, drop_link)
 
-    def power_off_together(self, nodes: list[str | Node], timeout_s: float = 15) -> None:
+    def power_off_together(
+        self, nodes: list[str | Node], timeout_s: float = 15, drop_link: bool = False
+    ) -> list[int]:
         """Power loss of several nodes at one moment (a rack's PDU): every process of every node gets
         its SIGKILL in one pass before any node is waited for, so no node outlives another by the
-        seconds a runtime needs to see the first one go."""
+        seconds a runtime needs to see the first one go. Returns the pids it found."""
         ns = [self.get_node(node) for node in nodes]
-        for n in ns:
-            self._signal_all(n, signal.SIGKILL)
+        if drop_link:
+            for n in ns:
+                self.cut_link(n)
+                self._dark.add(n.name)
+        found = [pid for n in ns for pid in self._signal_all(n, signal.SIGKILL)]
         for n in ns:
             self._kill_all(n, timeout_s)
             self._frozen.discard(n.name)
+        return found
 
     def power_on(self, node: str | Node, wait_idle_s: float | None = 120) -> None:
         """Boot ``node`` again: fresh namespaces (hostname, empty ``/dev/shm``) and slurmd. With
