@@ -178,6 +178,7 @@ def summary_lines(result: dict, args: argparse.Namespace, machine: dict) -> list
         f"| faults sent / drawn | {t['faults_sent']} / {args.faults} |",
         f"| faults with a recorded reaction | {t['faults_with_reaction']} |",
         f"| wall time of the campaign (all segments) | {t['wall_s'] / 60:.1f} min |",
+        f"| wall time per fault sent | {t['wall_s'] / max(1, t['faults_sent']):.0f} s |",
         f"| jobs (segments) / failed | {t['segments']} / {t['jobs_failed']} |",
         f"| completed jobs equal to the plain run bit for bit / not equal | {t['jobs_completed_equal_to_plain']} / "
         f"{t['jobs_completed_not_equal']} |",
@@ -268,6 +269,11 @@ def main() -> int:
     parser.add_argument("--replay", type=Path, help="a chaos.json of this benchmark: its schedule again")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument(
+        "--name",
+        default="chaos",
+        help="the results' file names: NAME.json and NAME.md (a sparse campaign kept beside the dense one)",
+    )
+    parser.add_argument(
         "--keep-logs",
         type=Path,
         default=Path(tempfile.gettempdir()) / "chaos_cluster_logs",
@@ -341,7 +347,7 @@ def main() -> int:
                     break  # the job completed: faults not sent are the schedule's, not a failure's
     result = {
         "schedule": schedule.to_dict(),
-        "replay": "python benchmarks/chaos_cluster.py --replay benchmarks/results/chaos.json",
+        "replay": f"python benchmarks/chaos_cluster.py --replay benchmarks/results/{args.name}.json",
         "machine": machine,
         "benchmark": {"command": " ".join(sys.argv), "seed": args.seed, "wall_s": time.time() - started},
         "totals": totals_over(segments, DP),
@@ -353,9 +359,9 @@ def main() -> int:
         table = markdown(record).replace("# Chaos campaign\n", f"## Segment {k}\n")
         lines += ["", table]
     args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "chaos.json", result, indent=1)
-    (args.out / "chaos.md").write_text(portable("\n".join(lines)).rstrip() + "\n")
-    print((args.out / "chaos.md").read_text())
+    write_json(args.out / f"{args.name}.json", result, indent=1)
+    (args.out / f"{args.name}.md").write_text(portable("\n".join(lines)).rstrip() + "\n")
+    print((args.out / f"{args.name}.md").read_text())
     t = result["totals"]
     return 0 if t["jobs_failed"] == 0 and t["jobs_completed_not_equal"] == 0 and t["hangs"] == 0 else 1
 
