@@ -40,6 +40,19 @@ ranks on other nodes were killed (once one frozen, one killed) and the survivor 
 sat in the DP ``Allreduce`` with no error for the whole 45 s deadline (its Python stacks,
 ``stall_trace.py``, showed it there), 54 s from the fault to the next commit; with this bound it is
 the watch's silence (timeout + 3 periods) + the repair bound + a relaunch.
+
+**Before either, the hosts are asked.** A process cut off from the others while its node runs
+on is found by no one when no detector watches it (a spawned process runs without ULFM's
+detector; a launch rank may be alone in its launch world) and its heartbeat file stays fresh
+(a run directory the cut does not reach): the others wait for it in the DP reduction, commit
+nothing and write no incident. So once no step has committed for::
+
+    probe_s (one heartbeat timeout) + steps x the typical recent step + the longest save
+
+:meth:`CommitWatch.overdue` says so, once per that long: the supervisor then asks whether every
+host the job runs on still answers (``lost_hosts.LostHostWatch.poll_stalled``) and relaunches
+without a host that does not, seconds after the cut instead of when the link heals or at the
+bound above. A stall on healthy hosts costs one probe (the hosts answering: well under a second).
 """
 
 from __future__ import annotations
@@ -64,6 +77,7 @@ class DeadlineArgs:
     steps: float = 10.0  # typical steps the bound allows beyond the floor
     allowance_s: float = 10.0  # detection and repair of a fault inside the job
     start_factor: float = 3.0  # a relaunch's start may take this many times the previous one
+    probe_s: float = 5.0  # no commit for one heartbeat timeout (and a few steps): ask the hosts
     fixed_s: float | None = None  # recover.commit_timeout_s: a fixed bound; 0 turns it off
 
     @classmethod
@@ -71,6 +85,7 @@ class DeadlineArgs:
         """The bound of a ``recover:`` config section."""
         return cls(
             allowance_s=2 * float(recover.heartbeat_timeout_s),
+            probe_s=float(recover.heartbeat_timeout_s),
             fixed_s=getattr(recover, "commit_timeout_s", None),
         )
 
@@ -110,6 +125,7 @@ class CommitWatch:
         self.last_commit: float | None = None  # monotonic time of the newest commit seen
         self.start_s: float | None = None  # launch to this launch's first commit
         self.loss_at: float | None = None  # a process went silent then, with no commit since
+        self.asked_at: float | None = None  # the hosts were last asked then (overdue), if ever
         # What an earlier launch left: its records are not this launch's commits.
         self._seen = _signature(self.path)
         self._recent: list[dict[str, Any]] = _tail_records(self.path)
@@ -155,6 +171,26 @@ class CommitWatch:
         commits after it, the repair bound holds from then on."""
         if self.loss_at is None and self.last_commit is not None and self.last_commit <= at:
             self.loss_at = at
+
+    def overdue(self, now: float | None = None) -> bool:
+        """Whether to ask now which of the job's hosts answer: this launch committed a step, none
+        has committed for :meth:`probe_after_s` since, and the hosts were not asked within that
+        long. True once per that long, so a stall is probed again while it lasts (a cut may come
+        during a stall that began on healthy hosts)."""
+        now = time.monotonic() if now is None else now
+        if self.last_commit is None:
+            return False  # starting: a start-up's length is not a stall's
+        since = self.last_commit if self.asked_at is None else max(self.last_commit, self.asked_at)
+        if now - since <= self.probe_after_s():
+            return False
+        self.asked_at = now
+        return True
+
+    def probe_after_s(self) -> float:
+        """How long without a commit before the hosts are asked: a heartbeat timeout (a frozen
+        rank's repair is under way by then), a few typical steps and the longest save."""
+        step, save = self._typical_step_and_save()
+        return self.args.probe_s + self.args.steps * step + save
 
     def repair_bound_s(self) -> tuple[float, str]:
         """How long a repair may take after a silent process: detection and repair, a few steps,

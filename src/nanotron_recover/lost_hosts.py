@@ -20,6 +20,11 @@ supervisor ends the job and relaunches it on the hosts that answer, from node me
 rank that died or froze on a healthy node leaves its host answering: nothing happens, the in-step
 repair (and a re-join) is all it costs. A probe that raises is said in one line and counts as no
 host known lost: the job goes on, and Open MPI's runtime still ends it if the node is gone.
+
+A cut-off process that no detector watches is named by nobody (no incident, no suspect): the
+others wait for it in the DP reduction and commit nothing. So when no step has committed for a
+while (``commit_deadline.CommitWatch.overdue``), :meth:`LostHostWatch.poll_stalled` probes the
+hosts the job's ranks run on (the rank table), with the same consequence.
 """
 
 from __future__ import annotations
@@ -78,6 +83,34 @@ class LostHostWatch:
             return None
         self.lost += gone
         return f"hosts {', '.join(gone)} of ranks the job lost do not answer"
+
+    def poll_stalled(self) -> str | None:
+        """The job commits no step: a reason to end it now (a host its ranks run on does not
+        answer), or None. The hosts are those of the rank table (this launch's, rewritten by
+        every re-join), so a host lost before this launch is not named again."""
+        hosts = self._table_hosts() - set(self.lost)
+        if not hosts:
+            return None
+        try:
+            answer = list(self.answering())
+        except Exception as e:
+            self.log(f"probing the job's hosts failed ({type(e).__name__}: {e}): none counted lost")
+            return None
+        self.last_answering = answer
+        gone = sorted(h for h in hosts if h not in answer)
+        if not gone:
+            return None
+        self.lost += gone
+        return f"hosts {', '.join(gone)} of the job do not answer while it commits no step"
+
+    def _table_hosts(self) -> set[str]:
+        try:
+            table = json.loads((self.run_dir / "ranks.json").read_text())
+        except (OSError, ValueError):
+            return set()
+        if not isinstance(table, list):
+            return set()
+        return {str(r.get("host")) for r in table if isinstance(r, dict) and r.get("host") in self.hosts}
 
     def _newly_named(self) -> set[str]:
         """Hosts of processes a rank named failed since the last poll (``ft/suspects.py``): named

@@ -269,7 +269,8 @@ def run_supervised(
     after the run recorded that it completed or stopped to regrow; then end whatever of it is left. With ``deadline``,
     a job that commits no step within its bound (``commit_deadline.py``) is ended too
     (:attr:`Supervised.stalled`); with ``lost_hosts``, so is one whose lost ranks' host no longer
-    answers (``lost_hosts.py``; :attr:`Supervised.hosts_gone`), and with ``frozen`` one whose frozen
+    answers, or that has committed nothing for a while (``CommitWatch.overdue``) and one of whose
+    hosts no longer answers (``lost_hosts.py``; :attr:`Supervised.hosts_gone`), and with ``frozen`` one whose frozen
     process alone on its node cannot be removed (``frozen_processes.py``). A watch that raises is said in one
     line and stops watching this job. ``on_end`` is called the moment the job has ended (mpirun
     exited) or the supervisor starts ending it, before what is left of it is ended.
@@ -345,6 +346,13 @@ def run_supervised(
             if lost_hosts is not None and recorded_at is None:
                 try:
                     hosts_gone = lost_hosts.poll()
+                except Exception as e:  # the job's outcome matters more than the watch
+                    log(f"the lost-host watch failed ({type(e).__name__}: {e}): not watching this job")
+                    lost_hosts = None
+            if lost_hosts is not None and recorded_at is None and hosts_gone is None and not ending:
+                try:
+                    # No commit for a while: a cut-off process nobody watches may hold the step.
+                    hosts_gone = lost_hosts.poll_stalled() if watch.overdue(now) else None
                 except Exception as e:  # the job's outcome matters more than the watch
                     log(f"the lost-host watch failed ({type(e).__name__}: {e}): not watching this job")
                     lost_hosts = None

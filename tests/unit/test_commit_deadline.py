@@ -137,3 +137,25 @@ def test_no_repair_bound_before_the_first_commit_and_never_past_the_fixed_bound(
     watch.note_loss(3.0)
     assert watch.repair_bound_s()[0] == 12  # 10 + 10 x 1.0 capped by the fixed 12 s
     assert watch.poll(now=14.0) is None and watch.poll(now=15.5) is not None
+
+
+def test_the_hosts_are_asked_once_per_probe_interval_while_no_step_commits(tmp_path):
+    watch = CommitWatch(tmp_path, DeadlineArgs(fixed_s=45, probe_s=5, steps=10), now=0.0)
+    assert not watch.overdue(now=1000.0)  # starting: a start-up is not a stall
+    commit(tmp_path, 1, wall_s=0.3, checkpoint_s=1.0)
+    assert watch.poll(now=10.0) is None
+    after = watch.probe_after_s()
+    assert after == pytest.approx(5 + 10 * 0.3 + 1.0)  # a heartbeat timeout + 10 steps + a save
+    assert not watch.overdue(now=10.0 + after)
+    assert watch.overdue(now=10.0 + after + 0.1)
+    assert not watch.overdue(now=10.0 + after + 0.2)  # asked: not again at once
+    assert watch.overdue(now=10.0 + 2 * after + 0.2)  # the stall goes on: asked again
+    commit(tmp_path, 2, wall_s=0.3, checkpoint_s=1.0)
+    assert watch.poll(now=40.0) is None
+    assert not watch.overdue(now=40.0 + after)  # a commit restarts the clock
+    assert watch.overdue(now=40.0 + after + 0.1)
+
+
+def test_the_probe_interval_comes_from_the_heartbeat_timeout():
+    args = DeadlineArgs.from_recover(RecoverArgs(enabled=True, heartbeat_timeout_s=7.0))
+    assert args.probe_s == 7.0

@@ -140,3 +140,37 @@ def test_names_of_earlier_launches_and_of_answering_hosts_cost_no_relaunch(tmp_p
     # This launch's process that got the pid an earlier launch's named process had is new too.
     note_suspects(tmp_path, [ProcessInfo(2, "c", 1002, None)], my_host="a")
     assert watch.poll() is None and probe.calls == 3
+
+
+def test_a_stalled_job_names_a_host_of_its_rank_table_that_does_not_answer(tmp_path):
+    # A spawned process on d was cut off: nobody watches it, so no incident and no suspect name
+    # it. The job commits nothing; asked, d does not answer. A host lost before this launch (e,
+    # not in the table) is not named again, and the same host is named once.
+    write_ranks(tmp_path, ["a", "d", "c"])
+    probe = Probe(["a", "c"])
+    watch = LostHostWatch(tmp_path, ["a", "b", "c", "d", "e"], probe)
+    assert watch.poll() is None and probe.calls == 0
+    assert watch.poll_stalled() == "hosts d of the job do not answer while it commits no step"
+    assert watch.last_answering == ["a", "c"]
+    assert watch.poll_stalled() is None
+
+
+def test_a_stalled_job_on_answering_hosts_is_left_to_its_bounds(tmp_path):
+    write_ranks(tmp_path, ["a", "b", "c"])
+    probe = Probe(["a", "b", "c"])
+    watch = LostHostWatch(tmp_path, ["a", "b", "c"], probe)
+    assert watch.poll_stalled() is None and probe.calls == 1
+    (tmp_path / "ranks.json").write_text("not json")
+    assert watch.poll_stalled() is None and probe.calls == 1  # no table: nothing to ask about
+
+
+def test_a_stalled_job_whose_probe_raises_names_no_host(tmp_path):
+    write_ranks(tmp_path, ["a", "b"])
+
+    def broken() -> list[str]:
+        raise RuntimeError("sinfo vanished")
+
+    lines: list[str] = []
+    watch = LostHostWatch(tmp_path, ["a", "b"], broken, log=lines.append)
+    assert watch.poll_stalled() is None
+    assert lines == ["probing the job's hosts failed (RuntimeError: sinfo vanished): none counted lost"]

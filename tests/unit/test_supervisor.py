@@ -235,6 +235,36 @@ def test_a_lost_host_watch_that_raises_stops_watching_and_keeps_the_record(tmp_p
     assert (read_outcome(tmp_path / "run") or {}).get("status") == "completed"
 
 
+def test_a_job_that_commits_nothing_on_a_host_that_does_not_answer_is_relaunched_without_it(tmp_path, capfd):
+    """A cut-off process that no detector watches: no incident, no suspect, the job just stops
+    committing. Once it has committed nothing for the probe interval, the supervisor asks its
+    hosts; b does not answer, so the job is ended and relaunched without b long before the 60 s
+    commit bound."""
+    body = (
+        "if n == 1:\n"
+        "    (run_dir / 'ranks.json').write_text(json.dumps([{'rank': 0, 'host': 'a'}, {'rank': 1, 'host': 'b'}]))\n"
+        "    commit(1); time.sleep(60)\n"
+        "else:\n    commit(2); record('completed', 2, None, 0, target_step=2)\n"
+    )
+    hosts = Hosts(["a", "b"], answer=["a"])
+    code = run_relaunching(
+        fake_job(tmp_path, body),
+        tmp_path / "run",
+        grace_s=1.0,
+        relaunches=2,
+        hosts=hosts,
+        timeout_s=120,
+        deadline=supervisor.DeadlineArgs(fixed_s=60, probe_s=0.5),
+    )
+    assert code == 0
+    err = capfd.readouterr().err
+    assert "hosts b of the job do not answer while it commits no step" in err, err
+    assert "the job stalled" not in err, err
+    record = read_relaunch(tmp_path / "run")
+    assert record is not None and record.cause == "node_lost" and record.hosts_lost == ["b"]
+    assert (read_outcome(tmp_path / "run") or {}).get("status") == "completed"
+
+
 def test_a_command_that_cannot_be_restricted_to_the_answering_hosts_is_said_once(tmp_path, capfd):
     """A job not started by an Open MPI launcher (here, Python itself) is relaunched as it was,
     twice, with host b lost: said once, not silently."""
