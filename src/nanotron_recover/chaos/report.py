@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import signal
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,9 @@ from .runner import CampaignRun
 from .schedule import Schedule
 
 REL_TOL = 1e-5
+# A time between two commits longer than this many times the run's median is a stall, not
+# training: it counts as time not at full width whatever the width at both ends.
+STALL_FACTOR = 10.0
 # The supervisor relaunched the job (a regrow too: it was counted as a rank's failure before).
 RELAUNCH_KINDS = WATCH_RELAUNCH_KINDS
 JOB_KINDS = ("rejoin", *RELAUNCH_KINDS)  # incidents that are not a rank's failure
@@ -78,15 +82,19 @@ def full_width_share(
 ) -> float | None:
     """Share of the wall time from the first to the last commit spent training at full width.
 
-    The time between two commits counts only when both are at full width and the later one is not
+    The time between two commits counts only when both are at full width, the later one is not
     the first commit of a relaunched launch (``relaunched_steps``: the ``step`` of each relaunch
-    incident, the first step the new launch committed). So a stall, a relaunch, and the wait of a
-    re-join before its first full step count for their seconds as time not at full width, whatever
-    width the job comes back at."""
+    incident, the first step the new launch committed), and it is no stall: at most
+    :data:`STALL_FACTOR` times the run's median time between commits. So a stall, a relaunch, and
+    the wait of a re-join before its first full step count for their seconds as time not at full
+    width, whatever width the job comes back at. A stall with every replica still in the job (the
+    others waiting for a cut-off one) is no time at full width either: nothing trained."""
     timed = [r for r in metrics if isinstance(r.get("time"), (int, float))]
     if len(timed) < 2:
         return None
     total = timed[-1]["time"] - timed[0]["time"]
+    gaps = [b["time"] - a["time"] for a, b in zip(timed, timed[1:], strict=False)]
+    stall_s = STALL_FACTOR * statistics.median(gaps)
     # A relaunch may redo a step: the new launch's commit of it is the last record of that step.
     last_of_step = {r["step"]: i for i, r in enumerate(timed)}
     full = 0.0
@@ -94,6 +102,8 @@ def full_width_share(
         if a.get("replicas") != dp or b.get("replicas") != dp:
             continue
         if b["step"] in relaunched_steps and last_of_step.get(b["step"]) == i:
+            continue
+        if b["time"] - a["time"] > stall_s:
             continue
         full += b["time"] - a["time"]
     return full / total if total > 0 else None

@@ -37,5 +37,21 @@ def test_a_stall_and_the_relaunch_after_it_count_for_their_seconds():
         {"step": 4, "time": 57.0, "replicas": 3},
     ]
     assert full_width_share(metrics, 3, {3}) == pytest.approx(3 / 57)
-    # the first launch's own commit of step 3 was a plain step: only the relaunched one is cut
-    assert full_width_share(metrics, 3, {4}) == pytest.approx(56 / 57)
+    # Named as relaunched or not, the 54 s without a commit trained nothing: never full width
+    # (with step 4 named, its own second is cut as a relaunch's first commit too).
+    assert full_width_share(metrics, 3, {4}) == pytest.approx(2 / 57)
+    assert full_width_share(metrics, 3) == pytest.approx(3 / 57)
+
+
+def test_a_stall_with_every_replica_still_in_the_job_is_not_full_width():
+    # A cut-off process nobody watches: the others wait for it in the reduction, no replica is
+    # shrunk away, and the step commits at full width once the link is back, 26 s later.
+    metrics = [{"step": s, "time": 0.3 * (s - 1), "replicas": 3} for s in range(1, 11)]
+    metrics += [{"step": s, "time": 26.0 + 0.3 * (s - 11), "replicas": 3} for s in range(11, 21)]
+    total = metrics[-1]["time"]
+    assert full_width_share(metrics, 3) == pytest.approx(18 * 0.3 / total)
+    # A step a few times slower than the median (a save, a busy machine) still trains.
+    metrics[5]["time"] += 1.0
+    for r in metrics[6:]:
+        r["time"] += 1.0
+    assert full_width_share(metrics, 3) == pytest.approx((18 * 0.3 + 1.0) / (total + 1.0))
