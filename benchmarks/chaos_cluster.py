@@ -269,6 +269,11 @@ def main() -> int:
     parser.add_argument("--replay", type=Path, help="a chaos.json of this benchmark: its schedule again")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument(
+        "--reference-dir",
+        type=Path,
+        help="where the plain reference runs are kept and reused (default: a temporary folder)",
+    )
+    parser.add_argument(
         "--name",
         default="chaos",
         help="the results' file names: NAME.json and NAME.md (a sparse campaign kept beside the dense one)",
@@ -322,7 +327,7 @@ def main() -> int:
                     timeout_s=max(600.0, left + 600.0),
                     restore_after_s=args.restore_after_s,
                     ready_timeout_s=120,
-                    ref_root=work / "chaos_reference",
+                    ref_root=args.reference_dir or work / "chaos_reference",
                 )
                 run_dir = work / f"segment{k}" / "run"
                 slurm_log = Path(record["slurm"]["log"])
