@@ -67,6 +67,17 @@ class LostHostWatch:
     def poll(self) -> str | None:
         """A reason to end the job now (a host of a rank the job lost does not answer), or None."""
         hosts = {h for inc in self._new_incidents() for h in self._hosts_of(inc)} | self._newly_named()
+        return self._probe(hosts, "of ranks the job lost")
+
+    def poll_stalled(self) -> str | None:
+        """The job commits no step: a reason to end it now (a host its ranks run on does not
+        answer), or None. The hosts are those of the rank table (this launch's, rewritten by
+        every re-join), so a host lost before this launch is not named again."""
+        hosts = {str(r.get("host")) for r in self._table() if r.get("host") in self.hosts}
+        return self._probe(hosts, "of the job", " while it commits no step")
+
+    def _probe(self, hosts: set[str], whose: str, when: str = "") -> str | None:
+        """Probe every host; name those of ``hosts`` (not named before) that do not answer."""
         suspects = sorted(hosts - set(self.lost))
         if not suspects:
             return None
@@ -82,35 +93,15 @@ class LostHostWatch:
         if not gone:
             return None
         self.lost += gone
-        return f"hosts {', '.join(gone)} of ranks the job lost do not answer"
+        return f"hosts {', '.join(gone)} {whose} do not answer{when}"
 
-    def poll_stalled(self) -> str | None:
-        """The job commits no step: a reason to end it now (a host its ranks run on does not
-        answer), or None. The hosts are those of the rank table (this launch's, rewritten by
-        every re-join), so a host lost before this launch is not named again."""
-        hosts = self._table_hosts() - set(self.lost)
-        if not hosts:
-            return None
-        try:
-            answer = list(self.answering())
-        except Exception as e:
-            self.log(f"probing the job's hosts failed ({type(e).__name__}: {e}): none counted lost")
-            return None
-        self.last_answering = answer
-        gone = sorted(h for h in hosts if h not in answer)
-        if not gone:
-            return None
-        self.lost += gone
-        return f"hosts {', '.join(gone)} of the job do not answer while it commits no step"
-
-    def _table_hosts(self) -> set[str]:
+    def _table(self) -> list[dict[str, Any]]:
+        """The rank table ``ranks.json`` (empty when missing or unreadable)."""
         try:
             table = json.loads((self.run_dir / "ranks.json").read_text())
         except (OSError, ValueError):
-            return set()
-        if not isinstance(table, list):
-            return set()
-        return {str(r.get("host")) for r in table if isinstance(r, dict) and r.get("host") in self.hosts}
+            return []
+        return [r for r in table if isinstance(r, dict)] if isinstance(table, list) else []
 
     def _newly_named(self) -> set[str]:
         """Hosts of processes a rank named failed since the last poll (``ft/suspects.py``): named
@@ -149,9 +140,9 @@ class LostHostWatch:
         named = incident.get("failed_hosts")
         if isinstance(named, list) and named:
             return {str(h) for h in named if h in self.hosts}
-        try:
-            table = json.loads((self.run_dir / "ranks.json").read_text())
-        except (OSError, ValueError):
-            return set()
         failed = set(incident["failed_ranks"])
-        return {str(r.get("host")) for r in table if r.get("rank") in failed and r.get("host") in self.hosts}
+        return {
+            str(r.get("host"))
+            for r in self._table()
+            if r.get("rank") in failed and r.get("host") in self.hosts
+        }

@@ -346,13 +346,9 @@ def run_supervised(
             if lost_hosts is not None and recorded_at is None:
                 try:
                     hosts_gone = lost_hosts.poll()
-                except Exception as e:  # the job's outcome matters more than the watch
-                    log(f"the lost-host watch failed ({type(e).__name__}: {e}): not watching this job")
-                    lost_hosts = None
-            if lost_hosts is not None and recorded_at is None and hosts_gone is None and not ending:
-                try:
-                    # No commit for a while: a cut-off process nobody watches may hold the step.
-                    hosts_gone = lost_hosts.poll_stalled() if watch.overdue(now) else None
+                    if hosts_gone is None and not ending and watch.overdue(now):
+                        # No commit for a while: a cut-off process nobody watches may hold the step.
+                        hosts_gone = lost_hosts.poll_stalled()
                 except Exception as e:  # the job's outcome matters more than the watch
                     log(f"the lost-host watch failed ({type(e).__name__}: {e}): not watching this job")
                     lost_hosts = None

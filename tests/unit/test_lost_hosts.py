@@ -173,4 +173,4 @@ def test_a_stalled_job_whose_probe_raises_names_no_host(tmp_path):
     lines: list[str] = []
     watch = LostHostWatch(tmp_path, ["a", "b"], broken, log=lines.append)
     assert watch.poll_stalled() is None
-    assert lines == ["probing the job's hosts failed (RuntimeError: sinfo vanished): none counted lost"]
+    assert lines == ["probing hosts a, b failed (RuntimeError: sinfo vanished): none counted lost"]
