@@ -4,7 +4,8 @@
 :mod:`.launcher`) starts ``mpirun`` with the flags the engine needs, runs ``train`` on every rank and
 exits with the status the run records in ``<run_dir>/outcome.json``.
 Errors in user input (config, paths, checkpoints) print one line and exit with status 2; a run that
-must stop (:class:`~.errors.StopRun`) exits with its kind's status. Under mpirun only rank 0 prints.
+must stop (:class:`~.errors.StopRun`) exits with its kind's status. Under mpirun every rank prints its own
+line (rank 0 alone would be killed by mpirun when another rank exits first).
 """
 
 from __future__ import annotations
@@ -259,15 +260,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def mpi_rank() -> int | None:
-    """This process's rank under mpirun (Open MPI / PMIx environment); None for a plain process."""
-    for var in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
-        value = os.environ.get(var)
-        if value is not None and value.strip().isdigit():
-            return int(value)
-    return None
-
-
 def _record_stop(args: argparse.Namespace, kind: str, code: int, message: str) -> bool:
     """For ``train``: make sure ``<run_dir>/outcome.json`` says why the run stopped (the trainer
     writes it when it gets that far; an error at start-up, before it, is recorded here). Whether
@@ -305,9 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         code, kind, message = int(ExitCode.INPUT), "input", str(e)
     message = " ".join(message.splitlines())  # one line, whatever the exception held
     recorded = _record_stop(args, kind, code, message)
-    # Under mpirun every rank meets the same error: rank 0 alone says it. Under the launcher's
-    # supervisor the launcher prints the recorded message itself, so the ranks stay quiet.
-    quiet = mpi_rank() not in (None, 0) or (recorded and os.environ.get(SUPERVISED_ENV) == "1")
+    # Under mpirun every rank says it: the first rank to exit non-zero makes mpirun kill the others,
+    # so a line left to rank 0 alone was lost whenever another rank got there first (and an error
+    # met by one rank only was never said). Under the launcher's supervisor the launcher prints the
+    # recorded message itself, so the ranks stay quiet.
+    quiet = bool(recorded and os.environ.get(SUPERVISED_ENV) == "1")
     if not quiet:
         print(f"nanotron-recover {args.command}: error: {message}", file=sys.stderr, flush=True)
     return code
