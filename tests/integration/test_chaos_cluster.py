@@ -115,12 +115,14 @@ def test_seeded_campaign_on_the_cluster(emulated, tmp_path):
     summary = [(f["index"], f["kind"], f["target"], f.get("to_next_commit_s")) for f in faults]
     print("fault -> next commit:", json.dumps(summary, default=str))
     print(f"batch host {slurm['batch_host']}, Slurm {slurm['state']} {slurm['exit_code']}")
-    log_tail = ""
-    if record["exit_status"] != 0:
-        log_tail = "\n" + (tmp_path / "run" / "chaos_job.log").read_text()[-1000:]
-        slurm_log = Path(slurm["log"])
-        if slurm_log.exists():
-            log_tail += "\n" + "\n".join(slurm_log.read_text(errors="replace").splitlines()[-60:])
+    # What the job said about itself, for any assertion below: the supervisor's lines (why a job
+    # ended, what was relaunched) and the end of the Slurm output.
+    log_tail = "\n" + (tmp_path / "run" / "chaos_job.log").read_text()[-1000:]
+    slurm_log = Path(slurm["log"])
+    if slurm_log.exists():
+        slurm_lines = slurm_log.read_text(errors="replace").splitlines()
+        said = [line for line in slurm_lines if "nanotron-recover launch" in line or "error" in line.lower()]
+        log_tail += "\n" + "\n".join(said[-40:] + ["..."] + slurm_lines[-30:])
 
     # The job: Slurm COMPLETED with exit 0, no hang, every step committed, 3 replicas at the end.
     assert slurm["state"] == "COMPLETED" and slurm["exit_code"] == "0:0", str(slurm) + log_tail
@@ -155,7 +157,9 @@ def test_seeded_campaign_on_the_cluster(emulated, tmp_path):
     hosts = {f["signals"][0]["host"] for f in frozen}
     assert len(hosts) >= 2 and batch not in hosts, frozen
     for f in frozen:
-        assert {"hang", "crash"} & set(f["incident_kinds"]) and "stalled" not in f["incident_kinds"], f
+        assert {"hang", "crash"} & set(f["incident_kinds"]) and "stalled" not in f["incident_kinds"], (
+            str(f) + log_tail
+        )
     print("frozen:", [(f["target"][0]["rank"], f["signals"][0]["host"], f["incident_kinds"]) for f in frozen])
     for fault in faults:
         assert fault["to_next_commit_s"] is not None, fault
