@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -25,7 +26,13 @@ from pathlib import Path
 import pytest
 
 from nanotron_recover.session_dirs import fresh_session
-from tests.helpers.emulated_cluster import EmulatedCluster, _is_zombie, cluster_fixture, leftovers
+from tests.helpers.emulated_cluster import (
+    EmulatedCluster,
+    _is_zombie,
+    cluster_fixture,
+    emulated_cluster,
+    leftovers,
+)
 
 pytestmark = [pytest.mark.mpi, pytest.mark.cluster]
 
@@ -293,6 +300,56 @@ def test_daemons_meeting_stale_folders_of_their_pids(emulated, tmp_path, fresh):
         assert "mpirun exit 0" in out and re.search(r"^RESULT 3 ", out, re.M), out
     else:
         assert "mpirun exit 0" not in out and "RESULT" not in out, out
+
+
+def _cpus_seen(text: str) -> dict[str, str]:
+    """``host -> Cpus_allowed_list`` from lines ``HOST Cpus_allowed_list:<tab>LIST``."""
+    return {m[1]: m[2] for m in re.finditer(r"^(\S+) Cpus_allowed_list:\s+(\S+)$", text, re.M)}
+
+
+def test_node_cpus_confine_every_process_of_a_node_to_its_share(emulated, tmp_path):
+    """With ``node_cpus`` a node's processes stay on its share of this machine's CPUs, whichever way
+    they start (a Slurm step, mpirun's ranks under sbatch, the ssh stand-in); without it, any CPU."""
+    show = "echo $(hostname) $(grep Cpus_allowed_list /proc/self/status)"
+    mine = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    assert emulated.cpus_of(emulated.names[0]) is None
+    free = emulated.run("srun", "-N1", "-w", emulated.names[0], "sh", "-c", show, timeout=60).stdout
+    assert _cpus_seen(free) == {emulated.names[0]: _cpu_list_text(mine)}, free
+    with emulated_cluster(n_nodes=3, cpus_per_node=2, node_cpus=True) as cluster:
+        want = {n: ",".join(map(str, cluster.cpus_of(n))) for n in cluster.names}
+        cpus = sorted(os.sched_getaffinity(0))
+        assert want[cluster.names[0]] == str(cpus[0])
+        assert want[cluster.names[1]] == str(cpus[1 % len(cpus)])
+        for node in cluster.names:
+            step = cluster.run("srun", "-N1", "-w", node, "sh", "-c", show, timeout=60).stdout
+            agent = subprocess.run(
+                [str(cluster.ssh_agent), node, show], capture_output=True, text=True, timeout=60
+            )
+            assert _cpus_seen(step + agent.stdout) == {node: _cpu_list_text(want[node])}, step + agent.stderr
+        out = tmp_path / "ranks.out"
+        script = tmp_path / "ranks.sbatch"
+        script.write_text(
+            f"#!/bin/bash\n#SBATCH -N 3\n#SBATCH --ntasks-per-node=1\n#SBATCH -o {out}\n"
+            + " ".join(fresh_session([MPIRUN, "--map-by", "ppr:1:node", "--bind-to", "none", "-n", "3"]))
+            + f" sh -c '{show}'\n"
+        )
+        job = subprocess.run(["sbatch", "--wait", str(script)], env=cluster.mpi_env, capture_output=True,
+                             text=True, timeout=JOB_TIMEOUT_S)  # fmt: skip
+        text = out.read_text() if out.exists() else ""
+        assert job.returncode == 0 and _cpus_seen(text) == {
+            n: _cpu_list_text(want[n]) for n in cluster.names
+        }, job.stderr + text
+
+
+def _cpu_list_text(cpus: str) -> str:
+    """``0,1`` as the kernel writes it in ``Cpus_allowed_list`` (``0-1``)."""
+    ids = sorted(int(c) for c in cpus.split(","))
+    runs, start = [], ids[0]
+    for a, b in zip(ids, [*ids[1:], None], strict=True):
+        if b != a + 1:
+            runs.append(f"{start}-{a}" if a != start else f"{a}")
+            start = b
+    return ",".join(runs)
 
 
 # Last in the module: it stops the module's cluster.
