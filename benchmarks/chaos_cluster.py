@@ -9,6 +9,9 @@ campaign runner drives it through the cluster target (``tests/helpers/chaos_clus
 ``--faults`` faults drawn with ``--seed`` from every kind (rank kinds, and node kinds: power off,
 link cut, node freeze, each node given back ``--restore-after-s`` later). The batch host (the node
 of the job script and ``mpirun``, a single point of failure) gets no node fault and no SIGSTOP.
+Each node's processes run on its own share of this machine's CPUs (``node_cpus``: on 2 CPUs, the
+odd nodes on one, the even ones on the other), as a node's processes would on a cluster;
+``--free-cpus`` lets the kernel move them over every CPU, as the campaigns before it did.
 
 A job that fails (or hangs) before its faults are all sent is a result, not the end of the
 campaign: as an operator would, the benchmark submits a fresh job (a new run of the same config,
@@ -165,8 +168,13 @@ def summary_lines(result: dict, args: argparse.Namespace, machine: dict) -> list
         "# A chaos campaign on the emulated multi-node cluster",
         "",
         f"{describe(machine)}. `python benchmarks/chaos_cluster.py --seed {args.seed} --faults {args.faults} "
-        f"--steps {args.steps}{args.schedule_options}`: {N_NODES} emulated Slurm nodes (namespaces, one slurmd each) on this machine, "
-        f"dp={DP} of the tiny model (hidden 32) with one rank per node and {N_NODES - DP} spare nodes, "
+        f"--steps {args.steps}{args.schedule_options}`: {N_NODES} emulated Slurm nodes (namespaces, one slurmd each) on this machine "
+        + (
+            "(every process on any CPU), "
+            if args.free_cpus
+            else "(each node's processes on its own share of the CPUs: odd nodes on one, even nodes on the other), "
+        )
+        + f"dp={DP} of the tiny model (hidden 32) with one rank per node and {N_NODES - DP} spare nodes, "
         "exact mode, re-join on, node-memory snapshots every step, a checkpoint every "
         f"{args.checkpoint_interval} steps, heartbeat 1 s / 5 s, commit deadline {args.commit_timeout_s:g} s. "
         f"Node faults are given back (powered on, linked, thawed) {args.restore_after_s:g} s later; the batch "
@@ -267,6 +275,11 @@ def main() -> int:
     parser.add_argument("--restore-after-s", type=float, default=15)
     parser.add_argument("--budget-s", type=float, default=1800, help="no new segment after this")
     parser.add_argument("--replay", type=Path, help="a chaos.json of this benchmark: its schedule again")
+    parser.add_argument(
+        "--free-cpus",
+        action="store_true",
+        help="let every node's processes run on every CPU (by default each node has its own share, as on a cluster)",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument(
         "--reference-dir",
@@ -309,7 +322,9 @@ def main() -> int:
     args.keep_logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        with emulated_cluster(n_nodes=N_NODES, cpus_per_node=2, slurmd_timeout_s=300) as cluster:
+        with emulated_cluster(
+            n_nodes=N_NODES, cpus_per_node=2, slurmd_timeout_s=300, node_cpus=not args.free_cpus
+        ) as cluster:
             remaining = list(schedule.faults)
             while remaining and time.time() - started < args.budget_s:
                 cluster.wait_nodes_idle(timeout_s=180)

@@ -14,8 +14,12 @@ replacement spawned on a spare node), ``--phase-steps`` steps later replica 2's.
 its parts (compute, the DP reduction, the commit agree), median and mean, and the share of steps
 over 3 and 10 times the first phase's median.
 
+Each node's processes run on its own share of the 2 CPUs (``node_cpus`` of the emulated cluster);
+``--free-cpus`` lets them run on any CPU, as the first runs did. Measured so, the speed depended on
+neither the origin nor anything in the job, but on how the kernel placed the three busy ranks.
+
 Writes ``benchmarks/results/step_time_by_origin.json`` and ``.md`` (``step_time_by_origin_together`` with
-``--together``).
+``--together``; ``_free_cpus`` added with ``--free-cpus``).
 
     python benchmarks/step_time_by_origin.py [--phase-steps 250] [--skip 20] [--repeats 1]
 """
@@ -154,6 +158,11 @@ def main() -> None:
         "is then the second's continuation",
     )
     parser.add_argument("--set", action="append", default=[], help="a config override for the job")
+    parser.add_argument(
+        "--free-cpus",
+        action="store_true",
+        help="every node's processes on any CPU (results *_free_cpus); by default each node has its own share",
+    )
     parser.add_argument("--timeout-s", type=float, default=900)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -166,7 +175,8 @@ def main() -> None:
         "skip": args.skip,
         "runs": [],
     }
-    with tempfile.TemporaryDirectory() as tmp, emulated_cluster(n_nodes=6, cpus_per_node=2) as cluster:
+    cluster_args = {"n_nodes": 6, "cpus_per_node": 2, "node_cpus": not args.free_cpus}
+    with tempfile.TemporaryDirectory() as tmp, emulated_cluster(**cluster_args) as cluster:
         for k in range(args.repeats):
             cluster.wait_nodes_idle(timeout_s=120)
             run = one_run(
@@ -181,7 +191,13 @@ def main() -> None:
     lines = ["# Step time by where the replicas' processes came from, on the emulated cluster", ""]
     lines += [describe(results["machine"]), ""]
     lines += [
-        "dp=3 of the tiny model in exact mode, one rank per node on 3 of 6 emulated nodes (2 cores in all);",
+        "dp=3 of the tiny model in exact mode, one rank per node on 3 of 6 emulated nodes (2 cores in all, "
+        + (
+            "every process on any of them);"
+            if args.free_cpus
+            else "each node's processes on its own: odd nodes on one, even nodes on the other; a spawned process "
+            "on the batch host's);"
+        ),
         (
             f"replicas 1 and 2 SIGKILLed together after step {args.phase_steps} (one re-join spawns both),"
             if args.together
@@ -213,7 +229,12 @@ def main() -> None:
         ],
         rows,
     )
-    write_report(args.out, "step_time_by_origin" + ("_together" if args.together else ""), results, lines)
+    name = (
+        "step_time_by_origin"
+        + ("_together" if args.together else "")
+        + ("_free_cpus" if args.free_cpus else "")
+    )
+    write_report(args.out, name, results, lines)
 
 
 if __name__ == "__main__":
