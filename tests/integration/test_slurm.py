@@ -132,7 +132,6 @@ def test_gpu_script_directives_and_launch_line(tmp_path):
     assert not [line for line in outside if "srun" in line], "ULFM needs mpirun, never srun"
     assert "MASTER_ADDR" not in script, "each replica's store address travels over MPI"
     assert "--oversubscribe" not in script and "NANOTRON_RECOVER_DEVICE=cpu" not in script
-    assert "\nMPI_EXTRA=()\n" in script, "GPU ranks own their cores: they keep MPI's busy wait"
     assert not re.search(r"@[A-Z][A-Z0-9_]*@", script), "no placeholder left"
     path = tmp_path / "job.sbatch"
     path.write_text(script)
@@ -282,13 +281,11 @@ def test_no_spare_nodes_leaves_the_script_as_it_was():
     assert '    --map-by ppr:8:node --bind-to none "${MPI_EXTRA[@]}" "${ROOT[@]}" "${FORWARD[@]}"' in lines
     assert "    --output tag -n 512" in lines
     assert "NOOVERSUBSCRIBE" not in "\n".join(lines) and "spare node" not in zero.splitlines()[5]
-    # A CPU job keeps its oversubscription (ranks may outnumber the CPUs), and its ranks give their
-    # core up while they wait in MPI.
+    # A CPU job keeps its oversubscription (ranks may outnumber the CPUs).
     cpu = load_config(tiny_config_path(), check_paths=False)
     text = render_sbatch(cpu, "c.yaml", nodes=1, gpus_per_node=0, partition=None, time="10",
                          job_name=None, run_dir="r", overrides=[], spare_nodes=0)  # fmt: skip
-    assert "MPI_EXTRA=(--oversubscribe --mca mpi_yield_when_idle 1)" in text
-    assert "--map-by ppr:2:node --bind-to" in text
+    assert "MPI_EXTRA=(--oversubscribe)" in text and "--map-by ppr:2:node --bind-to" in text
 
 
 def test_spare_nodes_are_allocated_and_left_free_by_the_mapping():
@@ -314,8 +311,7 @@ def test_a_cpu_job_with_spare_nodes_does_not_oversubscribe():
     text = render_sbatch(cfg, "c.yaml", nodes=1, gpus_per_node=0, partition=None, time="10",
                          job_name=None, run_dir="r", overrides=[], spare_nodes=1)  # fmt: skip
     assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=2" in text
-    assert "MPI_EXTRA=(--mca mpi_yield_when_idle 1)" in text
-    assert "--oversubscribe" not in text and "NOOVERSUBSCRIBE" in text
+    assert "MPI_EXTRA=()" in text and "--oversubscribe" not in text and "NOOVERSUBSCRIBE" in text
     assert "--map-by ppr:2:node:NOOVERSUBSCRIBE --bind-to none" in text
 
 
