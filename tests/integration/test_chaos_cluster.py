@@ -48,7 +48,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.cluster]
 # a node powered on again is still the job's (Slurm would otherwise mark it down and take it out).
 N_NODES = 6 if (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) >> 30 >= 12 else 5
 # Each node on its own share of the CPUs, as on a cluster: left free, the kernel moves the busy ranks
-# between the CPUs (0.15 s a step on average, a sixth of the steps over 0.3 s, against 0.02-0.06 s;
+# between the CPUs (0.15 s a step on average, a sixth of the steps over 0.3 s, against 0.05 s;
 # tests/helpers/emulated_cluster.py).
 emulated = cluster_fixture(
     scope="module", n_nodes=N_NODES, cpus_per_node=2, slurmd_timeout_s=120, node_cpus=True

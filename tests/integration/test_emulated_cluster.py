@@ -311,21 +311,21 @@ def test_node_cpus_confine_every_process_of_a_node_to_its_share(emulated, tmp_pa
     """With ``node_cpus`` a node's processes stay on its share of this machine's CPUs, whichever way
     they start (a Slurm step, mpirun's ranks under sbatch, the ssh stand-in); without it, any CPU."""
     show = "echo $(hostname) $(grep Cpus_allowed_list /proc/self/status)"
-    mine = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     assert emulated.cpus_of(emulated.names[0]) is None
     free = emulated.run("srun", "-N1", "-w", emulated.names[0], "sh", "-c", show, timeout=60).stdout
-    assert _cpus_seen(free) == {emulated.names[0]: _cpu_list_text(mine)}, free
+    assert _cpus_seen(free) == {emulated.names[0]: _cpu_list_text(sorted(os.sched_getaffinity(0)))}, free
     with emulated_cluster(n_nodes=3, cpus_per_node=2, node_cpus=True) as cluster:
-        want = {n: ",".join(map(str, cluster.cpus_of(n))) for n in cluster.names}
+        want = {n: _cpu_list_text(cluster.cpus_of(n)) for n in cluster.names}
         cpus = sorted(os.sched_getaffinity(0))
-        assert want[cluster.names[0]] == str(cpus[0])
-        assert want[cluster.names[1]] == str(cpus[1 % len(cpus)])
+        assert cluster.cpus_of(cluster.names[0]) == [cpus[0]]
+        assert cluster.cpus_of(cluster.names[1]) == [cpus[1 % len(cpus)]]
         for node in cluster.names:
             step = cluster.run("srun", "-N1", "-w", node, "sh", "-c", show, timeout=60).stdout
+            assert _cpus_seen(step) == {node: want[node]}, step
             agent = subprocess.run(
                 [str(cluster.ssh_agent), node, show], capture_output=True, text=True, timeout=60
             )
-            assert _cpus_seen(step + agent.stdout) == {node: _cpu_list_text(want[node])}, step + agent.stderr
+            assert _cpus_seen(agent.stdout) == {node: want[node]}, agent.stdout + agent.stderr
         out = tmp_path / "ranks.out"
         script = tmp_path / "ranks.sbatch"
         script.write_text(
@@ -336,14 +336,12 @@ def test_node_cpus_confine_every_process_of_a_node_to_its_share(emulated, tmp_pa
         job = subprocess.run(["sbatch", "--wait", str(script)], env=cluster.mpi_env, capture_output=True,
                              text=True, timeout=JOB_TIMEOUT_S)  # fmt: skip
         text = out.read_text() if out.exists() else ""
-        assert job.returncode == 0 and _cpus_seen(text) == {
-            n: _cpu_list_text(want[n]) for n in cluster.names
-        }, job.stderr + text
+        assert job.returncode == 0 and _cpus_seen(text) == want, job.stderr + text
 
 
-def _cpu_list_text(cpus: str) -> str:
-    """``0,1`` as the kernel writes it in ``Cpus_allowed_list`` (``0-1``)."""
-    ids = sorted(int(c) for c in cpus.split(","))
+def _cpu_list_text(cpus: list[int]) -> str:
+    """``[0, 1]`` as the kernel writes it in ``Cpus_allowed_list`` (``0-1``)."""
+    ids = sorted(cpus)
     runs, start = [], ids[0]
     for a, b in zip(ids, [*ids[1:], None], strict=True):
         if b != a + 1:
