@@ -41,6 +41,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .atomic_file import write_text_atomically
+
 FILENAME = "token.json"
 ENV = "NANOTRON_RECOVER_TOKEN"
 READ_TRIES = 3
@@ -194,10 +196,4 @@ def publish_text(run_dir: str | Path, path: str | Path, text: str) -> None:
     renamed (a reader sees the old file or the new one; an older job's process changes nothing).
     Raises :class:`Fenced` or OSError; the aside file is gone either way."""
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        guard(run_dir, path.name)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_text_atomically(path, text, before_rename=lambda: guard(run_dir, path.name))

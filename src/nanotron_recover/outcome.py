@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from . import fencing
+from .atomic_file import write_text_atomically
 from .errors import ExitCode
 from .failures import Kind
 
@@ -88,20 +89,29 @@ ABANDONED = "abandoned.json"
 def write_abandoned(run_dir: str | Path, reason: str) -> None:
     """A rank gives the job up as a whole (a re-join stuck past its deadline): the supervisor ends
     ``mpirun`` (which would wait for a frozen process forever) and relaunches the job."""
-    path = Path(run_dir) / ABANDONED
-    tmp = path.with_name(f"{ABANDONED}.{os.getpid()}.tmp")
+    record = {"reason": reason, "time": time.time(), "pid": os.getpid()}
     try:
-        tmp.write_text(json.dumps({"reason": reason, "time": time.time(), "pid": os.getpid()}) + "\n")
-        os.replace(tmp, path)
+        write_text_atomically(Path(run_dir) / ABANDONED, json.dumps(record) + "\n")
     except OSError:
         pass  # best effort: the rank is about to die either way
 
 
 def read_abandoned(run_dir: str | Path) -> dict[str, Any] | None:
+    """The give-up record, or None when there is none. The file's presence is what counts: one
+    that cannot be parsed (a writer that died mid-write on a file system without atomic rename)
+    still says the job was given up."""
+    path = Path(run_dir) / ABANDONED
     try:
-        return json.loads((Path(run_dir) / ABANDONED).read_text())
-    except (OSError, ValueError):
+        text = path.read_text()
+    except FileNotFoundError:
         return None
+    except OSError as e:
+        return {"reason": f"{ABANDONED} unreadable: {e}"}
+    try:
+        record = json.loads(text)
+    except ValueError:
+        record = None
+    return record if isinstance(record, dict) else {"reason": f"{ABANDONED} unparsable: {text[:80]!r}"}
 
 
 def clear_abandoned(run_dir: str | Path) -> None:

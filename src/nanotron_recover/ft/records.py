@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..atomic_file import write_text_atomically
 from ..failures import RECORD_KINDS
 
 
@@ -38,9 +39,7 @@ def write_record(run_dir: str | Path, name: str, record: dict[str, Any]) -> None
     path = faults_dir(run_dir) / f"{name}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
+        write_text_atomically(path, json.dumps(record))
     except OSError:
         pass
 

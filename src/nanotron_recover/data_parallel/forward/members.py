@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ... import fencing
+from ...atomic_file import write_text_atomically
 from ...failures import Kind
 from ...ft.failstop import fail_stop
 from ...ft.liveness import SpawnedMonitor, beat_once_alone, rank_heartbeat_file, start_rank_heartbeat
@@ -211,8 +212,6 @@ class Members:
         table = [{**info.as_dict(), "replica": ftc.topology.replica_of(info.rank)} for info in ftc.processes]
         path = self.s.run_dir / "ranks.json"
         try:
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(table, indent=1) + "\n")
-            os.replace(tmp, path)
+            write_text_atomically(path, json.dumps(table, indent=1) + "\n")
         except OSError:
             pass
