@@ -30,6 +30,11 @@ once it wakes up. The renames it guards carry the token inside what they publish
 
 A read error is never "generation 0": an unreadable token file refuses the write (after a few
 retries, so a passing NFS hiccup does not stop a healthy rank).
+
+Within one generation, a process the job itself removed (shrunk away after it failed or froze)
+is marked by an empty file ``<run_dir>/fence/<host>-<pid>`` (:func:`removed_marker`), written by
+the job's logging rank: such a process writes nothing if it wakes up, and the supervisor's
+heartbeat-file watch knows the job has already dealt with it. A relaunch clears the folder.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from pathlib import Path
 from .atomic_file import write_text_atomically
 
 FILENAME = "token.json"
+REMOVED_DIR = "fence"  # processes the job removed, one empty file each
 ENV = "NANOTRON_RECOVER_TOKEN"
 READ_TRIES = 3
 READ_RETRY_S = 0.05
@@ -197,3 +203,9 @@ def publish_text(run_dir: str | Path, path: str | Path, text: str) -> None:
     Raises :class:`Fenced` or OSError; the aside file is gone either way."""
     path = Path(path)
     write_text_atomically(path, text, before_rename=lambda: guard(run_dir, path.name))
+
+
+def removed_marker(run_dir: str | Path, host: str, pid: int) -> Path:
+    """The file that says the job removed process ``pid`` on ``host`` (per process, not per rank:
+    after a re-join a rank belongs to a new process)."""
+    return Path(run_dir) / REMOVED_DIR / f"{host}-{pid}"

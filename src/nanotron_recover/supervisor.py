@@ -416,7 +416,7 @@ def new_generation(run_dir: str | Path, nonce: str | None = None) -> fencing.Tok
     """Advance the run directory's fencing token (:mod:`.fencing`) and forget the previous job's
     fenced processes (``fence/``: per host and pid, which a new job's processes may reuse)."""
     token = fencing.advance(run_dir, nonce)
-    shutil.rmtree(Path(run_dir) / "fence", ignore_errors=True)
+    shutil.rmtree(Path(run_dir) / fencing.REMOVED_DIR, ignore_errors=True)
     return token
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from nanotron_recover import fencing
 from nanotron_recover.frozen_processes import FrozenProcessWatch, Watched
 from nanotron_recover.ft.liveness import heartbeat_file, rank_heartbeat_file
 from nanotron_recover.ft.processes import _start_ticks
@@ -32,7 +33,9 @@ def rank_table(run_dir: Path, rows: list[tuple[int, str, int]]) -> None:
     table = [
         {"rank": r, "host": h, "pid": p, "start_ticks": _start_ticks(p), "replica": r} for r, h, p in rows
     ]
-    (run_dir / "ranks.json").write_text(json.dumps(table))
+    # As the job writes it: aside, then renamed (a watch tells its launch's table by the new file).
+    (run_dir / "ranks.json.tmp").write_text(json.dumps(table))
+    os.replace(run_dir / "ranks.json.tmp", run_dir / "ranks.json")
 
 
 def beat(run_dir: Path, host: str, pid: int, launched: bool = False, at: float | None = None) -> Path:
@@ -54,10 +57,10 @@ def sleeper():
 
 def test_a_frozen_process_alone_on_this_host_is_recorded_and_killed(tmp_path, sleeper):
     here = socket.gethostname()
-    rank_table(tmp_path, [(0, "node-a", 11), (1, "node-a", 12), (2, here, sleeper.pid)])
     beat(tmp_path, here, sleeper.pid, at=1000.0)
     clock = Clock()
     watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
+    rank_table(tmp_path, [(0, "node-a", 11), (1, "node-a", 12), (2, here, sleeper.pid)])
     assert watch.poll() is None  # first sight: its age starts now, whatever the file's clock says
     clock.now = 7.9  # 5 s timeout + 3 periods (one, and two for the ranks' own monitors)
     assert watch.poll() is None and sleeper.poll() is None and watch.lost_at is None
@@ -71,11 +74,57 @@ def test_a_frozen_process_alone_on_this_host_is_recorded_and_killed(tmp_path, sl
     assert watch.poll() is None  # once
 
 
-def test_a_beating_process_is_never_touched_whatever_its_clock(tmp_path, sleeper):
+def test_a_silent_process_the_job_removed_is_killed_with_no_loss_and_no_relaunch(tmp_path, sleeper):
+    """A rank the job shrank away (the runtime reported its death) stays in the rank table until a
+    re-join replaces it, and its file goes silent. The job may be re-joining its replacement right
+    then (a spawn across hosts: about 11 s): no record, no repair bound, which used to end such a
+    re-join as a stall; and one on a host the watch cannot reach is no reason to relaunch."""
     here = socket.gethostname()
-    rank_table(tmp_path, [(0, here, sleeper.pid)])
+    beat(tmp_path, here, sleeper.pid, at=1000.0)
+    beat(tmp_path, "node-b", 12, at=1000.0)
+    for host, pid in ((here, sleeper.pid), ("node-b", 12)):
+        marker = fencing.removed_marker(tmp_path, host, pid)
+        marker.parent.mkdir(exist_ok=True)
+        marker.touch()
+    clock = Clock()
+    watch = FrozenProcessWatch(
+        tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock, slurm_job=""
+    )
+    rank_table(tmp_path, [(0, "node-a", 11), (1, "node-b", 12), (2, here, sleeper.pid)])
+    assert watch.poll() is None
+    clock.now = 8.1
+    assert watch.poll() is None  # node-b's process cannot be killed (no Slurm): not a relaunch
+    assert watch.lost_at is None
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL  # in case it was frozen, not dead
+    assert read_records(tmp_path) == []
+
+
+def test_the_table_an_earlier_launch_left_is_not_watched(tmp_path, sleeper):
+    """A relaunch's watch starts while the ended job's rank table is still there (the new job
+    writes its own only once it has started: 28 s under load, measured). Those processes are gone
+    and their files silent: nothing is recorded or killed for them, and the new table is watched
+    as soon as it appears."""
+    here = socket.gethostname()
+    rank_table(tmp_path, [(0, here, sleeper.pid)])  # the ended launch's
+    beat(tmp_path, here, sleeper.pid, at=1000.0)
     clock = Clock()
     watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
+    for now in (0.0, 10.0, 30.0):
+        clock.now = now
+        assert watch.poll() is None
+    assert sleeper.poll() is None and read_records(tmp_path) == [] and watch.lost_at is None
+    rank_table(tmp_path, [(0, here, sleeper.pid)])  # this launch's (the same process, to test)
+    watch.poll()
+    clock.now = 40.0
+    assert watch.poll() is None and watch.lost_at == 40.0
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_a_beating_process_is_never_touched_whatever_its_clock(tmp_path, sleeper):
+    here = socket.gethostname()
+    clock = Clock()
+    watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
+    rank_table(tmp_path, [(0, here, sleeper.pid)])
     for i in range(40):
         # A node whose clock is hours behind: every beat still changes the file's time.
         beat(tmp_path, here, sleeper.pid, at=1000.0 + i)
@@ -88,12 +137,12 @@ def test_a_launch_rank_with_a_node_mate_gets_one_more_timeout_first(tmp_path, sl
     """A launch rank's own beat (``.rank``): ULFM and its node-mates' monitors act within the
     timeout; the supervisor only after one more, should the news not have reached the others."""
     here = socket.gethostname()
-    rank_table(tmp_path, [(0, here, sleeper.pid), (1, here, os.getpid())])
     beat_path = rank_heartbeat_file(tmp_path, here, sleeper.pid)
     beat_path.parent.mkdir(parents=True)
     beat_path.touch()
     clock = Clock()
     watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
+    rank_table(tmp_path, [(0, here, sleeper.pid), (1, here, os.getpid())])
     watch.poll()
     clock.now = 12.9  # 2 x 5 s + 3 periods
     assert watch.poll() is None and sleeper.poll() is None
@@ -105,7 +154,6 @@ def test_a_launch_rank_with_a_node_mate_gets_one_more_timeout_first(tmp_path, sl
 
 
 def test_a_remote_process_is_killed_through_slurm_or_the_job_is_relaunched(tmp_path, monkeypatch):
-    rank_table(tmp_path, [(0, "node-a", 11), (1, "node-b", 4242)])
     beat(tmp_path, "node-b", 4242, launched=True)  # a launch rank left alone in its launch world
     calls = []
 
@@ -117,6 +165,7 @@ def test_a_remote_process_is_killed_through_slurm_or_the_job_is_relaunched(tmp_p
     clock = Clock()
     answer = True
     watch = FrozenProcessWatch(tmp_path, 1.0, 5.0, slurm_job="77", local_host="batch", clock=clock)
+    rank_table(tmp_path, [(0, "node-a", 11), (1, "node-b", 4242)])
     watch.poll()
     clock.now = 9.0
     assert watch.poll() is None
@@ -134,6 +183,7 @@ def test_a_remote_process_is_killed_through_slurm_or_the_job_is_relaunched(tmp_p
     assert said is not None and "rank 1 (pid 4343 on node-c, alone on its node)" in said
     # Without Slurm a remote process cannot be reached: relaunch too.
     no_slurm = FrozenProcessWatch(tmp_path, 1.0, 5.0, slurm_job="", local_host="batch", clock=clock)
+    rank_table(tmp_path, [(0, "node-a", 11), (1, "node-c", 4343)])  # its launch's table
     no_slurm.poll()
     clock.now = 40.0
     assert no_slurm.poll() is not None

@@ -38,6 +38,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from ..fencing import REMOVED_DIR
 from ..generation import FILENAME as GENERATION_FILE
 from .progress import format_duration, format_rate
 from .runinfo import read_run_info
@@ -121,7 +122,7 @@ def read_run(run_dir: str | Path, now: float | None = None, logs: bool = True) -
         except OSError:
             continue  # removed while we looked
     try:
-        fenced = {k for p in (run_dir / "fence").iterdir() if (k := _host_pid(p.name, "-")) is not None}
+        fenced = {k for p in (run_dir / REMOVED_DIR).iterdir() if (k := _host_pid(p.name, "-")) is not None}
     except OSError:
         fenced = set()
     ranks = _read_json(run_dir / "ranks.json")

@@ -140,7 +140,7 @@ class Members:
     # -- fences ------------------------------------------------------------------------------
     def _fence_path(self, info: ProcessInfo) -> Path:
         # Per process, not per rank: after a re-join the rank belongs to a new process.
-        return self.s.run_dir / "fence" / f"{info.host}-{info.pid}"
+        return fencing.removed_marker(self.s.run_dir, info.host, info.pid)
 
     def check_member(self) -> None:
         """Before writing shared files: a rank removed from the job (frozen, then woken up), or one
@@ -165,8 +165,9 @@ class Members:
             return
         for r in failed_ranks:
             try:
-                (self.s.run_dir / "fence").mkdir(exist_ok=True)
-                self._fence_path(self.s.ftc.processes[r]).touch()
+                path = self._fence_path(self.s.ftc.processes[r])
+                path.parent.mkdir(exist_ok=True)
+                path.touch()
             except OSError:
                 pass
 
