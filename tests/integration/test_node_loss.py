@@ -371,7 +371,7 @@ def test_a_second_replica_lost_in_one_launch_comes_back_by_a_relaunch(cluster, t
         elif incident["kind"] == "rejoin":
             assert incident["status"] == "joined", (incident, log[-4000:])
             spawns_per_launch[-1] += 1
-    assert max(spawns_per_launch) == 1, (spawns_per_launch, incidents)
+    assert max(spawns_per_launch) == 1, (spawns_per_launch, incidents, log[-4000:])
     assert relaunches and all(i["steps_redone"] == 0 for i in relaunches), relaunches
     print(f"relaunches {[(i['kind'], i['step']) for i in relaunches]}; spawns per launch {spawns_per_launch}")
     assert job.leftovers(cluster.names) == {}
