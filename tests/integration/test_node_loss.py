@@ -216,7 +216,10 @@ def test_frozen_node(cluster, tmp_path, plain):
     relaunched = [i for i in incidents if i["kind"] == "node_lost"]
     # Repaired in the step, replicas 0 and 2 go on; a relaunch numbers the replicas it runs 0, 1.
     replicas = relaunched[-1]["alive_replicas"] if relaunched else [0, 2]
-    assert_trained_like_plain(job, plain, replicas)
+    try:
+        assert_trained_like_plain(job, plain, replicas)
+    except AssertionError as e:  # say what the job did (a relaunch after the thaw, say)
+        raise AssertionError(f"{e}\nincidents: {incidents}\n{log[-3000:]}") from e
     # The newest job wrote the outcome and the last commit (the supervisor advances the token
     # once more when that job ends, fencing nothing that still writes).
     last = read_commit(job.run_dir).token

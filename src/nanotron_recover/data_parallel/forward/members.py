@@ -160,8 +160,11 @@ class Members:
         return fencing.is_current(self.s.run_dir) and read_generation(self.s.run_dir) == self.s.generation
 
     def fence(self, failed_ranks: tuple[int, ...]) -> None:
-        """Mark removed processes so that one that wakes up later writes nothing (see check_member)."""
-        if not self.is_logger():
+        """Mark removed processes so that one that wakes up later writes nothing (see check_member).
+        A logger of an older generation (thawed after its job was relaunched) marks nothing: its
+        markers would name processes of the current job, which the supervisor's watch and
+        ``check_member`` read as removed."""
+        if not self.is_logger() or not self.current_generation():
             return
         for r in failed_ranks:
             try:

@@ -59,3 +59,21 @@ def test_a_failure_notice_names_the_failed_processes_of_other_hosts_at_once(tmp_
     s = SimpleNamespace(run_dir=tmp_path, ftc=ftc, my_replica_ranks={0}, joining=False)
     Members(s).on_failure_notice([1, 2], when=0.0)
     assert suspect_names(tmp_path) == {"elsewhere.4242"}  # rank 2 shares this host: the runtime's
+
+
+def test_only_the_current_generation_marks_removed_processes(tmp_path):
+    """A logging rank thawed after its job was relaunched must not mark the new job's processes
+    removed (the supervisor's watch and ``check_member`` read those markers)."""
+    from nanotron_recover import fencing
+    from nanotron_recover.generation import Relaunch, write_relaunch
+
+    peer = SimpleNamespace(host="node-b", pid=4242)
+    ftc = SimpleNamespace(parked=False, replica=0, senior_replica=0, local_rank=0, processes=[None, peer])
+    s = SimpleNamespace(run_dir=tmp_path, generation=0, joining=False, ftc=ftc)
+    members = Members(s)
+    members.fence((1,))
+    assert fencing.removed_marker(tmp_path, "node-b", 4242).exists()
+    fencing.removed_marker(tmp_path, "node-b", 4242).unlink()
+    write_relaunch(tmp_path, Relaunch(1, "node_lost", 0.0, 4))  # the job was relaunched since
+    members.fence((1,))
+    assert not fencing.removed_marker(tmp_path, "node-b", 4242).exists()
