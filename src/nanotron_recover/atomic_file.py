@@ -43,3 +43,13 @@ def write_text_atomically(
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def file_version(path: str | Path) -> tuple[int, int, int] | None:
+    """Which version of a file this is: (inode, size, mtime in ns), None when it is missing. A file
+    replaced by a rename is a new inode; one appended to grows."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns

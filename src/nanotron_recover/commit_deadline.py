@@ -65,6 +65,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .atomic_file import file_version
+
 TAIL_BYTES = 64 * 1024  # the recent records are read from the end of metrics.jsonl, not all of it
 RECENT_STEPS = 20
 
@@ -127,13 +129,13 @@ class CommitWatch:
         self.loss_at: float | None = None  # a process went silent then, with no commit since
         self.asked_at: float | None = None  # the hosts were last asked then (overdue), if ever
         # What an earlier launch left: its records are not this launch's commits.
-        self._seen = _signature(self.path)
+        self._seen = file_version(self.path)
         self._recent: list[dict[str, Any]] = _tail_records(self.path)
 
     def poll(self, now: float | None = None) -> Stalled | None:
         """Look at the file once; a :class:`Stalled` when the bound has passed without a commit."""
         now = time.monotonic() if now is None else now
-        seen = _signature(self.path)
+        seen = file_version(self.path)
         if seen != self._seen:
             recent = _tail_records(self.path)
             if recent:  # an empty read is a rewrite caught half-way: looked at again next time
@@ -246,14 +248,6 @@ def _is_commit(
         return False
     shrank = before is not None and after is not None and after[1] < before[1]
     return not shrank
-
-
-def _signature(path: Path) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _tail_records(path: Path) -> list[dict[str, Any]]:

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .atomic_file import file_version
 from .failures import Kind
 from .fencing import removed_marker
 from .ft.liveness import LAUNCH_SUFFIX, RANK_SUFFIX
@@ -106,7 +107,7 @@ class FrozenProcessWatch:
         # The rank table an earlier launch left (a watch is made per launch): its processes are
         # gone, their files silent. Measured: under load a relaunch took 28 s to write its own
         # table, and the watch "removed" the ended job's ranks 13 s into it.
-        self._stale_table = _signature(self.run_dir / "ranks.json")
+        self._stale_table = file_version(self.run_dir / "ranks.json")
 
     def poll(self) -> str | None:
         """Remove the frozen processes found now; a description when one could not be removed
@@ -138,7 +139,7 @@ class FrozenProcessWatch:
         """The processes of the rank table, each saying whether another rank shares its host."""
         path = self.run_dir / "ranks.json"
         if self._stale_table is not None:
-            if _signature(path) == self._stale_table:
+            if file_version(path) == self._stale_table:
                 return {}  # this launch has not written its table yet
             self._stale_table = None
         try:
@@ -238,12 +239,3 @@ class FrozenProcessWatch:
         ]  # fmt: skip
         status, _ = run_bounded(cmd, KILL_TRY_S, output=False)
         return status == 0
-
-
-def _signature(path: Path) -> tuple[int, int, int] | None:
-    """Which version of a file this is (the rank table is replaced by a rename: a new file)."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns, st.st_size

@@ -13,9 +13,10 @@ every node sees, as checkpoints are.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from .atomic_file import write_text_atomically
 
 FILENAME = "generation.json"
 
@@ -50,9 +51,7 @@ def write_relaunch(run_dir: str | Path, relaunch: Relaunch) -> None:
     """Atomically: a rank reading it sees the old record or the new one."""
     path = Path(run_dir) / FILENAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{FILENAME}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(relaunch)) + "\n")
-    os.replace(tmp, path)
+    write_text_atomically(path, json.dumps(asdict(relaunch)) + "\n")
 
 
 def clear_relaunch(run_dir: str | Path) -> None:

@@ -40,6 +40,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 from prometheus_client.exposition import start_wsgi_server
 
+from ..atomic_file import write_text_atomically
 from .watch import PHASES, RELAUNCH_KINDS, STATES, RunRecords, incident_kind, read_run, summarize
 
 PREFIX = "nanotron_recover"
@@ -152,10 +153,9 @@ class RunMetrics:
 def write_targets(run_dir: Path, host: str, port: int, run: str) -> None:
     """``<run_dir>/prometheus_targets.json``: where the endpoint is, for ``file_sd_configs``."""
     path = run_dir / TARGETS_FILE
-    tmp = path.with_name(f"{TARGETS_FILE}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps([{"targets": [f"{host}:{port}"], "labels": {"run": run}}], indent=1) + "\n")
-        os.replace(tmp, path)
+        targets = [{"targets": [f"{host}:{port}"], "labels": {"run": run}}]
+        write_text_atomically(path, json.dumps(targets, indent=1) + "\n")
     except OSError as e:
         print(f"[nanotron-recover] could not write {path}: {e}", file=sys.stderr, flush=True)
 

@@ -10,9 +10,10 @@ exporter read it to give a step its target (and so an ETA) and a rank of a faile
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from ..atomic_file import write_text_atomically
 
 FILENAME = "run.json"
 
@@ -20,11 +21,8 @@ FILENAME = "run.json"
 def write_run_info(run_dir: str | Path, info: dict[str, Any]) -> None:
     """Atomically: a reader sees the old record or the new one. Best effort: a run does not stop
     because the file that describes it to watchers could not be written."""
-    path = Path(run_dir) / FILENAME
-    tmp = path.with_name(f"{FILENAME}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps(info, indent=1) + "\n")
-        os.replace(tmp, path)
+        write_text_atomically(Path(run_dir) / FILENAME, json.dumps(info, indent=1) + "\n")
     except OSError:
         pass
 
