@@ -21,6 +21,7 @@ from .commit_deadline import DeadlineArgs
 from .config import Config, load_config
 from .errors import InputError
 from .ft.heartbeat import heartbeat_mca
+from .ft.transport import eager_limit_mca
 from .restart import run_with_restarts
 from .snapshot_cleanup import clean_this_host
 from .supervisor import PREFIX, default_grace_s, launch_env, run_relaunching, supervise
@@ -80,11 +81,13 @@ def mpirun_command(
     heartbeat: tuple[float, float] | None = None,
 ) -> list[str]:
     """mpirun with ULFM on (``ft``), the HAN and cuda collectives off (they do not propagate errors),
-    the libfabric BTL off (:data:`NO_OFI_BTL`), and a finalize that does not wait on dead ranks (it can otherwise block forever after a SIGKILLed
-    peer). ``heartbeat`` (period, timeout) turns on the heartbeat failure detector, which only ULFM
-    has. Without ``ft`` (the checkpoint-restart baseline) a dead rank makes mpirun end the job."""
+    the libfabric BTL off (:data:`NO_OFI_BTL`), a finalize that does not wait on dead ranks (it can
+    otherwise block forever after a SIGKILLed peer), and the TCP eager limit every process of the
+    job shares (``ft/transport.py``). ``heartbeat`` (period, timeout) turns on the heartbeat failure
+    detector, which only ULFM has. Without ``ft`` (the checkpoint-restart baseline) a dead rank
+    makes mpirun end the job."""
     cmd = [mpirun_path()] + (["--with-ft", "ulfm", *RECOVERABLE_JOBS] if ft else [])
-    cmd += ["--mca", "coll", "^han,cuda", *NO_OFI_BTL, "--mca", "async_mpi_finalize", "1"]
+    cmd += ["--mca", "coll", "^han,cuda", *NO_OFI_BTL, "--mca", "async_mpi_finalize", "1", *eager_limit_mca()]
     if ft and heartbeat is not None:
         cmd += heartbeat_flags(heartbeat)
     cmd += ["--bind-to", "none"]

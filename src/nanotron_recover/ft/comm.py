@@ -138,6 +138,7 @@ from .membership import Membership, shrink_world, split_derived
 from .partition import PartitionGuard
 from .processes import ProcessInfo, this_process
 from .topology import RankCoords, Topology
+from .transport import eager_slices
 from .ulfm import FAULT_ERROR_CLASSES, MPI, is_fault, retire_comm
 from .world import AllReplicasFailed, FTError, JoinFailed, JoinPlan, RecoveryResult, StaleEpoch, WorldChanged
 
@@ -425,11 +426,15 @@ class FaultTolerantComm(GridPosition):
         self.check_open()
         if epoch != self._epoch:
             raise StaleEpoch(epoch, self._epoch)
-        send, recv = (MPI.IN_PLACE, _as_numpy(buf)) if out is None else (_as_numpy(buf), _as_numpy(out))
+        recv = _as_numpy(buf if out is None else out).reshape(-1)
+        send = None if out is None else _as_numpy(buf).reshape(-1)
         t0 = time.perf_counter()
         self.in_ft_operation = True
         try:
-            self._dp_comm.Allreduce(send, recv, op=MPI.SUM)
+            # One call per slice below the TCP eager limit: a rendezvous torn by a fault can deadlock
+            # Open MPI's TCP transport (see transport.py).
+            for part in eager_slices(recv.size, recv.itemsize):
+                self._dp_comm.Allreduce(MPI.IN_PLACE if send is None else send[part], recv[part], op=MPI.SUM)
         except MPI.Exception as exc:
             if not is_fault(exc):
                 raise

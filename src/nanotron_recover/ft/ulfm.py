@@ -8,13 +8,15 @@ whichever of them is imported first.
 Importing this module defaults ``OMPI_MCA_async_mpi_finalize=1`` (see below): without it the
 survivors' ``MPI_Finalize`` can hang on a dead rank at exit; and ``OMPI_MCA_mpi_add_procs_cutoff``
 to the largest value, so every endpoint exists before a failure (a revoke forwarded to a dead rank
-never reached before hung in a ``PMIx_Get``). Both apply only if this module is imported before
-``mpi4py.MPI``.
+never reached before hung in a ``PMIx_Get``); and ``OMPI_MCA_btl_tcp_eager_limit`` to
+:mod:`.transport`'s limit (a rendezvous torn by a fault can deadlock the TCP transport). All apply only if this module is imported before ``mpi4py.MPI``.
 """
 
 from __future__ import annotations
 
 import os
+
+from .transport import eager_limit_env
 
 # Skip the PMIx fence in MPI_Finalize. Seen here with Open MPI 5.0.11 + ULFM: after a
 # rank was SIGKILLed, the survivors' MPI_Finalize waited on the dead rank in that fence
@@ -36,6 +38,9 @@ os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
 # 3 of 12 runs hung, 0 of 15 with every endpoint made at start-up. The cost is one endpoint per
 # process of the launch, made in MPI_Init (TCP connections still open at first use).
 os.environ.setdefault("OMPI_MCA_mpi_add_procs_cutoff", "4294967295")
+
+# Every large message goes eager over TCP, none by rendezvous: see transport.py.
+os.environ.setdefault(*eager_limit_env())
 
 import mpi4py  # noqa: E402
 

@@ -82,6 +82,7 @@ def main() -> None:
     kill_point = _pairs(args.kill_in_recover).get(rank)
     manual_iter = {r: int(it) for r, it in _pairs(args.manual_recover).items()}
     record: dict[str, Any] = {"rank": rank, "pid": os.getpid()}
+    (args.out / f"pid{rank}").write_text(str(os.getpid()))  # for a test that signals from outside
 
     def fault_hook(point: str) -> None:
         if point == kill_point:

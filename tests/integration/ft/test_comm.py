@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,10 @@ pytestmark = [
 HEARTBEAT = heartbeat_flags((0.5, 2.0))
 
 
-def run_worker(tmp_path: Path, n: int, *args: str, mca: list[str] | None = None) -> dict[int, dict[str, Any]]:
-    """Run the worker on ``n`` ranks; return {rank: result} for the ranks that wrote one."""
+def start_worker(
+    tmp_path: Path, n: int, *args: str, mca: list[str] | None = None, btl: str = "^ofi"
+) -> tuple[subprocess.Popen, Path]:
+    """Start the worker on ``n`` ranks in a process group of its own; returns (mpirun, its out dir)."""
     out = tmp_path / "out"
     out.mkdir()
     cmd = [
@@ -52,7 +55,7 @@ def run_worker(tmp_path: Path, n: int, *args: str, mca: list[str] | None = None)
         "^han,cuda",
         "--mca",
         "btl",
-        "^ofi",  # launcher.NO_OFI_BTL: a second less in every MPI_Init
+        btl,  # default: launcher.NO_OFI_BTL, a second less in every MPI_Init
         *(mca or []),
         "-n",
         str(n),
@@ -68,6 +71,11 @@ def run_worker(tmp_path: Path, n: int, *args: str, mca: list[str] | None = None)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True
     )
+    return proc, out
+
+
+def finish_worker(proc: subprocess.Popen, out: Path) -> dict[int, dict[str, Any]]:
+    """Wait for a started worker (at most ``RUN_TIMEOUT_S``); {rank: result} of the ranks that wrote one."""
     try:
         log, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -75,6 +83,11 @@ def run_worker(tmp_path: Path, n: int, *args: str, mca: list[str] | None = None)
         log, _ = proc.communicate()
         pytest.fail(f"mpirun timed out after {RUN_TIMEOUT_S}s:\n{log[-4000:]}")
     return rank_results(out, proc.returncode, log)
+
+
+def run_worker(tmp_path: Path, n: int, *args: str, mca: list[str] | None = None) -> dict[int, dict[str, Any]]:
+    """Run the worker on ``n`` ranks; return {rank: result} for the ranks that wrote one."""
+    return finish_worker(*start_worker(tmp_path, n, *args, mca=mca))
 
 
 def survivors(results: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -318,3 +331,54 @@ def test_failure_watch_notices_while_computing(tmp_path: Path) -> None:
         assert [n["ranks"] for n in noticed] == [[3], [2]]
         # Noticed while still in the 1.5 s of "compute" that followed the kill.
         assert noticed[0]["time"] - killed_at < 1.5
+
+
+def test_peer_killed_while_a_frozen_one_holds_a_large_reduction_over_tcp(tmp_path: Path) -> None:
+    """Rank 1 freezes in a reduction of 8 MB over TCP; while the others wait in it, the test SIGKILLs
+    rank 2. Rank 0 must learn of both and go on alone. With rendezvous messages (Open MPI's default
+    above 64 KiB), reading the killed peer's closed socket deadlocked rank 0 on its own endpoint
+    lock in 3 of 4 runs (ft/transport.py); every message going eager is the workaround."""
+    proc, out = start_worker(
+        tmp_path,
+        3,
+        *(
+            "--tp",
+            "1",
+            "--replicas",
+            "3",
+            "--freeze",
+            "1:1",
+            "--iters",
+            "3",
+            "--k",
+            str(1_000_000),
+            "--watch",
+        ),
+        mca=HEARTBEAT,
+        btl="tcp,self",  # the ranks share a host: force the transport the cluster uses
+    )
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        frozen = out / "rank1.json"
+        while not (frozen.exists() and (out / "pid2").exists()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert frozen.exists(), "rank 1 never froze"
+        time.sleep(0.3)  # well inside the detector's 2 s: rank 0 still waits in the reduction
+        killed_at = time.time()
+        os.kill(int((out / "pid2").read_text()), signal.SIGKILL)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    res = finish_worker(proc, out)
+    assert sorted(survivors(res)) == [0]
+    d = res[0]
+    assert sorted(r for c in d["changes"] for r in c["failed_ranks"]) == [1, 2]
+    # Iteration 0 summed the three replicas (1 + 2 + 3); the redone 1 and 2, rank 0 alone.
+    assert [(s["iter"], s["value"], s["dp_size"]) for s in d["steps"]] == [
+        (0, 6.0, 3),
+        (1, 1.0, 1),
+        (2, 1.0, 1),
+    ]
+    assert all(s["uniform"] for s in d["steps"]), "every element of the 8 MB buffer was reduced"
+    # Repaired within the detector's reach of the freeze, not after a deadline of minutes.
+    assert d["changes"][-1]["detected_at"] - killed_at < 10.0

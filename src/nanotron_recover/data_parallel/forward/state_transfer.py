@@ -43,6 +43,17 @@ def _bytes_view(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.uint8).reshape(-1).numpy() if t.numel() else np.empty(0, dtype=np.uint8)
 
 
+def _eager_parts(t: torch.Tensor) -> list[np.ndarray]:
+    """``t``'s bytes cut into messages below the TCP eager limit (ft/transport.py: a rendezvous
+    message torn by a fault can deadlock Open MPI's TCP transport). MPI
+    keeps the order of messages with the same source, tag and communicator, so the receiver's
+    parts, cut the same way, match the sender's one for one."""
+    from ...ft.transport import eager_slices
+
+    view = _bytes_view(t)
+    return [view[part] for part in eager_slices(view.size, 1)]
+
+
 def donor_of(receiver_replica: int, donors: list[int], rejoining: list[int]) -> int:
     """The healthy replica that sends its state to ``receiver_replica``: the re-joining replicas in
     order take the donors in turn, so several joins spread over several donors."""
@@ -79,9 +90,10 @@ def transfer_state(
                 fault_point()
             received = EngineState.empty_like(layout, meta)
             requests = [
-                dp_comm.Irecv(_bytes_view(t), source=source, tag=2)
+                dp_comm.Irecv(part, source=source, tag=2)
                 for t in received.tensors.values()
                 if t.numel()
+                for part in _eager_parts(t)
             ]
             MPI.Request.Waitall(requests)
             nbytes = received.nbytes()
@@ -95,10 +107,11 @@ def transfer_state(
                 if fault_point is not None:
                     fault_point()
                 requests = [
-                    dp_comm.Isend(_bytes_view(t), dest=position[r], tag=2)
+                    dp_comm.Isend(part, dest=position[r], tag=2)
                     for r in mine
                     for t in state.tensors.values()
                     if t.numel()
+                    for part in _eager_parts(t)
                 ]
                 MPI.Request.Waitall(requests)
     except MPI.Exception as exc:
