@@ -223,12 +223,16 @@ def main() -> None:
     for v in variants:
         trials = results["hang"][v]
         hung = sum(bool(t.get("hung")) for t in trials)
+        # The self-deadlock's signature in rank 0's native stack (ft/transport.py).
+        signature = ("mca_btl_tcp_frag_recv", "mca_pml_ob1_revoke_comm", "pthread_mutex_lock")
+        deadlocked = sum(all(f in t.get("stack", "") for f in signature) for t in trials if t.get("hung"))
         errs = sorted(t["error_after_s"] for t in trials if "error_after_s" in t)
         timed = results["time"][v]
         rows.append(
             [
                 v,
                 f"{hung} of {len(trials)}",
+                f"{deadlocked} of {hung}" if hung else "-",
                 f"{statistics.median(errs):.3f}" if errs else "-",
                 f"{max(errs):.3f}" if errs else "-",
                 timed["calls"],
@@ -254,6 +258,7 @@ def main() -> None:
         [
             "variant",
             "hangs",
+            "of them in the self-deadlock",
             "rank 0's error after the kill, median s",
             "max s",
             f"calls per {args.time_mb:g} MB",
@@ -266,7 +271,9 @@ def main() -> None:
     lines += [
         "",
         "rendezvous: Open MPI's default eager limit (64 KiB), one `Allreduce`; eager: the project's "
-        "(`ft/transport.py`), one `Allreduce` per slice below the limit.",
+        "(`ft/transport.py`), one `Allreduce` per slice below the limit. In the self-deadlock: rank 0's "
+        "native stack (`py-spy dump --native`) has `mca_btl_tcp_frag_recv` -> `mca_pml_ob1_revoke_comm` -> "
+        "`pthread_mutex_lock`, the thread waiting on the endpoint lock it holds.",
     ]
     write_report(args.out, "tcp_eager", results, lines)
 
