@@ -24,8 +24,9 @@ answer, so a revoke drops it. The TCP eager limit is raised to :data:`TCP_EAGER_
 (Open MPI's default is 64 KiB) and the calls that move large buffers (the gradient reduction in
 ``comm.py``, the state transfer of a re-join) cut them with :func:`eager_slices`; every other
 message of the project is small. Every process of a job must use the same limit, since a receiver
-sizes its buffers by its own: the launcher passes it on the ``mpirun`` line and each process sets it
-as an environment default before MPI starts (``ulfm.py``), spawned processes included.
+sizes its buffers by its own (:func:`eager_limit`): the launcher passes it on the ``mpirun`` line and
+each process sets it as an environment default before MPI starts (``ulfm.py``), spawned processes
+included; a value already in the environment wins everywhere.
 
 This module does not import MPI, so the launcher can use it.
 """
@@ -43,24 +44,33 @@ _HEADER_ROOM = 1024
 _ENV = "OMPI_MCA_btl_tcp_eager_limit"
 
 
+def eager_limit() -> int:
+    """The TCP eager limit of this process's job: a value already in the environment (a user's, or
+    the launcher's, which ranks and spawned processes inherit) wins over ours, so that every process
+    of the job has the same one. Open MPI's TCP transport reads an incoming eager message into a
+    buffer of the *receiver's* limit without checking its size (``mca_btl_tcp_frag_recv``): with
+    4 MiB on the sender and the default on the receiver, a 3 MB message ended the receiver
+    ("readv error ... Bad address", then an abort), and a smaller overrun could as well overwrite
+    memory."""
+    try:
+        return int(os.environ.get(_ENV, TCP_EAGER_LIMIT_BYTES))
+    except ValueError:
+        return TCP_EAGER_LIMIT_BYTES
+
+
 def eager_limit_env() -> tuple[str, str]:
-    """The environment variable (name, value) that sets the TCP eager limit of a process."""
-    return _ENV, str(TCP_EAGER_LIMIT_BYTES)
+    """The environment variable (name, value) that sets this job's TCP eager limit in a process."""
+    return _ENV, str(eager_limit())
 
 
 def eager_limit_mca() -> list[str]:
-    """The ``mpirun`` flags that set the TCP eager limit of every rank."""
-    return ["--mca", "btl_tcp_eager_limit", str(TCP_EAGER_LIMIT_BYTES)]
+    """The ``mpirun`` flags that give every rank this job's TCP eager limit."""
+    return ["--mca", "btl_tcp_eager_limit", str(eager_limit())]
 
 
 def eager_bytes() -> int:
-    """The most payload one message of this process may carry and still go eager over TCP (from
-    the limit in force here: a launcher's or user's value wins over ours)."""
-    try:
-        limit = int(os.environ.get(_ENV, TCP_EAGER_LIMIT_BYTES))
-    except ValueError:
-        limit = TCP_EAGER_LIMIT_BYTES
-    return max(limit - _HEADER_ROOM, 64)
+    """The most payload one message of this process may carry and still go eager over TCP."""
+    return max(eager_limit() - _HEADER_ROOM, 64)
 
 
 def eager_slices(n_elements: int, itemsize: int) -> list[slice]:

@@ -40,7 +40,8 @@ def test_a_limit_set_for_the_job_is_the_one_cut_by(monkeypatch: pytest.MonkeyPat
     assert eager_bytes() == TCP_EAGER_LIMIT_BYTES - 1024
 
 
-def test_the_launch_line_and_each_process_set_the_same_limit() -> None:
+def test_the_launch_line_and_each_process_set_the_same_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMPI_MCA_btl_tcp_eager_limit", raising=False)
     flags = launcher.mpirun_command(4, ["prog"], heartbeat=(1, 5))
     i = flags.index("btl_tcp_eager_limit")
     name, value = transport.eager_limit_env()
@@ -48,3 +49,15 @@ def test_the_launch_line_and_each_process_set_the_same_limit() -> None:
     assert name == "OMPI_MCA_btl_tcp_eager_limit"
     plain = launcher.mpirun_command(4, ["prog"], ft=False)
     assert plain[plain.index("btl_tcp_eager_limit") + 1] == value  # the baseline's ranks too
+
+
+def test_a_limit_already_in_the_environment_wins_on_the_launch_line_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Spawned processes inherit the environment, launched ranks get the mpirun line: one value for
+    # both, since a receiver's buffers are sized by its own limit.
+    monkeypatch.setenv("OMPI_MCA_btl_tcp_eager_limit", str(1 << 20))
+    flags = launcher.mpirun_command(4, ["prog"])
+    assert flags[flags.index("btl_tcp_eager_limit") + 1] == str(1 << 20)
+    assert transport.eager_limit_env() == ("OMPI_MCA_btl_tcp_eager_limit", str(1 << 20))
+    assert eager_bytes() == (1 << 20) - 1024
