@@ -136,10 +136,17 @@ def start(cmd: list[str], log: Path) -> subprocess.Popen:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        pass
+    """SIGKILL ``mpirun`` and every process below it. The ranks are not in mpirun's process group
+    (its daemon starts them in their own), and a rank deadlocked in Open MPI outlives its daemon:
+    the tree is read from /proc before anything is killed."""
+    from nanotron_recover.chaos.targets import descendants
+
+    below = descendants(proc.pid)
+    for pid in [proc.pid, *below]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
     proc.wait()
 
 
