@@ -114,18 +114,18 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def mpirun(variant: str, mode: str, out: Path, args: argparse.Namespace) -> list[str]:
+    """The project's ``mpirun`` line (``launcher.mpirun_command``) on the TCP transport, with the
+    variant's eager limit."""
     from nanotron_recover.ft.transport import TCP_EAGER_LIMIT_BYTES
-    from nanotron_recover.launcher import heartbeat_flags, mpirun_path
+    from nanotron_recover.launcher import mpirun_command
 
-    limit = TCP_EAGER_LIMIT_BYTES if variant == "eager" else RENDEZVOUS_LIMIT
-    cmd = [mpirun_path(), "--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--mca", "coll", "^han,cuda"]
-    cmd += ["--mca", "async_mpi_finalize", "1", "--mca", "btl_tcp_eager_limit", str(limit)]
-    cmd += [*heartbeat_flags((0.5, 2.0)), "--bind-to", "none", "--oversubscribe"]
-    if os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
     program = [sys.executable, __file__, "--worker", "--variant", variant, "--mode", mode, "--json", str(out)]
     program += ["--hang-mb", str(args.hang_mb), "--time-mb", str(args.time_mb), "--reps", str(args.reps)]
-    return cmd + ["-n", "3", *program]
+    cmd = mpirun_command(3, program, heartbeat=(0.5, 2.0))
+    cmd[cmd.index("^ofi")] = "tcp,self"  # one host: the transport between a cluster's nodes
+    limit = TCP_EAGER_LIMIT_BYTES if variant == "eager" else RENDEZVOUS_LIMIT
+    cmd[cmd.index("btl_tcp_eager_limit") + 1] = str(limit)
+    return cmd
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:

@@ -13,11 +13,12 @@ on the dead peer's endpoint, whose send lock the same thread holds: it waits for
 because the ranks run ``MPI_THREAD_MULTIPLE`` (the failure watch, :mod:`.watch`). The code is the
 same on Open MPI main (read 2026-12); no upstream report was found.
 
-Seen here, 3 ranks on one host over TCP, one frozen and another SIGKILLed during an Allreduce of
-8 MB: the third hung (``py-spy`` shows the stack above) in 3 of 4 runs; on the emulated cluster,
-every kill during a recovery whose survivor was rank 0 ended as a relaunch 25-27 s later instead of
-a repair (``benchmarks/results/chaos_kill_during_recovery.md``). ``benchmarks/tcp_eager.py``
-measures both sides of the workaround.
+Seen here (``benchmarks/results/tcp_eager.md``): 3 ranks on one host over TCP, one frozen and
+another SIGKILLed during an Allreduce of 8 MB: the third hung in 6 of 6 runs, each with the stack
+above in ``py-spy dump --native``, and in 0 of 6 with this workaround. On the emulated cluster,
+every kill during a recovery whose survivor was rank 0 ended as a relaunch 25-27 s later
+(``chaos_kill_during_recovery_before.md``); with the workaround all were repaired in place in
+7.8-8.2 s (``chaos_kill_during_recovery.md``).
 
 The workaround: no message of ours goes by rendezvous. An unmatched *eager* message needs no
 answer, so a revoke drops it. The TCP eager limit is raised to :data:`TCP_EAGER_LIMIT_BYTES`

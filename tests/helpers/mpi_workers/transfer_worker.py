@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
 
+from nanotron_recover.atomic_file import write_text_atomically
 from nanotron_recover.data_parallel.forward.state_transfer import transfer_state
 from nanotron_recover.engines.state import EngineState
 from nanotron_recover.ft.transport import eager_bytes
@@ -54,9 +54,7 @@ def main() -> None:
             torch.equal(got.tensors[n].view(torch.uint8), want.tensors[n].view(torch.uint8))
             for n in want.tensors
         )
-    tmp = args.out / f".rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, args.out / f"rank{rank}.json")
+    write_text_atomically(args.out / f"rank{rank}.json", json.dumps(record))
     comm.Barrier()
 
 

@@ -45,9 +45,9 @@ def _bytes_view(t: torch.Tensor) -> np.ndarray:
 
 def _eager_parts(t: torch.Tensor) -> list[np.ndarray]:
     """``t``'s bytes cut into messages below the TCP eager limit (ft/transport.py: a rendezvous
-    message torn by a fault can deadlock Open MPI's TCP transport). MPI
-    keeps the order of messages with the same source, tag and communicator, so the receiver's
-    parts, cut the same way, match the sender's one for one."""
+    message torn by a fault can deadlock Open MPI's TCP transport). MPI keeps the order of
+    messages with the same source, tag and communicator, so the receiver's parts, cut the same
+    way, match the sender's one for one."""
     from ...ft.transport import eager_slices
 
     view = _bytes_view(t)
