@@ -74,6 +74,7 @@ from .commit_record import read_commit
 from .errors import ExitCode
 from .failures import Kind
 from .frozen_processes import FrozenProcessWatch
+from .ft import prrte_fix
 from .generation import Relaunch, clear_relaunch, write_relaunch
 from .host_probe import ProbeRun
 from .hosts import LAUNCHERS, HostPlan, launcher_at, relaunch_command, relaunch_ranks
@@ -285,6 +286,7 @@ def run_supervised(
     received: list[int] = []
     env = dict(os.environ if env is None else env)
     env[SUPERVISED_ENV] = "1"
+    env.update(prrte_fix.runtime_env(run_dir, log))  # mpirun's daemons can spawn across hosts
     watch = CommitWatch(run_dir, deadline or DeadlineArgs(fixed_s=0), previous_start_s)
     stalled: Stalled | None = None
     hosts_gone: str | None = None

@@ -146,11 +146,13 @@ class RejoinArgs:
     # relaunches it at full width (seconds, no step redone) instead of leaving it narrower for the
     # rest of the run. Only under the supervisor, with a relaunch left and snapshots on.
     regrow_by_relaunch: bool = True
-    # Spawns per launch (per mpirun) once the job spans several hosts. Open MPI 5.0.x (its runtime,
-    # PRRTE 3.0) fails every later MPI_Comm_spawn of such a launch: the new processes cannot reach
-    # the job (``opal_modex_recv`` -46, "unable to reach each other") and die in MPI_Init, while
-    # the members wait for them. Past this count a lost replica comes back the regrow_by_relaunch
-    # way (a full-width relaunch from node memory at the next boundary) when it can, else by a spawn.
+    # Spawns per launch (per mpirun) once the job spans several hosts, where the runtime runs
+    # without the project's fix (ft/prrte_fix.py: the supervisor builds it with the host's C
+    # compiler). Without it, Open MPI 5.0.x's runtime (PRRTE 3.0) fails every later
+    # MPI_Comm_spawn of such a launch: the new processes cannot reach the job (``opal_modex_recv``
+    # -46, "unable to reach each other") and die in MPI_Init, while the members wait for them.
+    # Past this count a lost replica comes back the regrow_by_relaunch way (a full-width relaunch
+    # from node memory at the next boundary) when it can, else by a spawn.
     spawns_across_hosts: int = 1
 
     def __post_init__(self) -> None:

@@ -6,6 +6,13 @@
 name=$1
 shift
 rm -rf -- "${TMPDIR:-${TEMP:-${TMP:-/tmp}}}/$name.$$"
+# mpirun and its daemons load the project's fix for PRRTE's spawn defects when the supervisor built
+# one (src/nanotron_recover/ft/prrte_fix.py); it leaves LD_PRELOAD as it loads, so the ranks do not
+# inherit it.
+if [ -n "$NANOTRON_RECOVER_PRRTE_FIX" ] && [ -r "$NANOTRON_RECOVER_PRRTE_FIX" ]; then
+    LD_PRELOAD="$NANOTRON_RECOVER_PRRTE_FIX${LD_PRELOAD:+:$LD_PRELOAD}"
+    export LD_PRELOAD
+fi
 if [ "$name" = ompi ]; then
     # The daemons mpirun starts on other hosts (srun ... prted ...) come through here too, and
     # stay attached: a daemon that detaches forks away from the pid it cleaned for.

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ... import fencing
 from ...errors import StopRun
 from ...failures import Kind, Phase
+from ...ft import prrte_fix
 from ...ft.faults import FaultInjector
 from ...ft.liveness import JoinWatch, start_heartbeat
 from ...ft.replica_world import init_replica_world
@@ -51,6 +52,8 @@ class Rejoin:
         self.book = RejoinBook()
         self.lost_wall: dict[int, float] = {}
         self.told_out_of_spawns = False
+        # Open MPI's runtime spawns across hosts as often as needed (read once: alike on every member).
+        self.spawn_fix = prrte_fix.active()
 
     def note_failure(self, step: int, result: RecoveryResult) -> None:
         """Every member notes the replicas lost in this step alike (the re-join policy's input)."""
@@ -226,11 +229,14 @@ class Rejoin:
     def _regrow_instead_of_spawn(self, replicas: tuple[int, ...], step: int) -> bool:
         """Whether ``replicas`` come back by a full-width relaunch rather than a spawn: once the
         launch spans hosts and has used ``recover.rejoin.spawns_across_hosts`` spawns, a further
-        spawn of Open MPI 5.0.x cannot reach the job (see the field). Decided alike on every member
-        (the book and the processes' hosts are alike); the stop is asked once."""
+        spawn of Open MPI 5.0.x cannot reach the job, unless its runtime runs with the project's
+        fix (``ft/prrte_fix.py``). Decided alike on every member (the book, the processes' hosts
+        and the launch's environment are alike); the stop is asked once."""
         s = self.s
         hosts = {p.host for p in s.ftc.processes}
-        if len(hosts) < 2 or self.book.spawns < s.args.rejoin.spawns_across_hosts or not self.may_regrow():
+        if self.spawn_fix or len(hosts) < 2 or not self.may_regrow():
+            return False
+        if self.book.spawns < s.args.rejoin.spawns_across_hosts:
             return False
         self.stops.request(
             StopRun(

@@ -1,0 +1,115 @@
+"""A fix for Open MPI's runtime, preloaded into it, so that a job can spawn across hosts more than
+once and its daemons do not die around a spawn.
+
+Every ``MPI_Comm_spawn`` whose processes span hosts ends in PRRTE's ``connect_release()``
+(``src/prted/pmix/pmix_server_dyn.c``, PRRTE 3.0.x, which Open MPI 5.0.x bundles; read in 3.0.13
+and 3.0.14, the same code), on mpirun and on every daemon of the connect. Since PRRTE 3.0.1 the
+collective it runs wraps its directives in a byte object, which ``connect_release()`` was never
+changed to read (PRRTE 4 rewrote it). Two defects follow:
+
+- **The second spawn's process cannot reach the job.** The wrapped directives are read as a
+  namespace named ``""``, which is registered with the PMIx server. PMIx compares namespaces so
+  that an empty one matches any: when a later spawned process's address (its direct modex) comes
+  back, the server resolves the waiting requests against ``""`` and answers them "not found".
+  Every member then fails to reach the new process (``opal_modex_recv: failed with return
+  value=-46``, "unable to reach each other ... on host: unknown") and it dies in ``MPI_Init``.
+  Measured with plain mpi4py on the emulated cluster (a launch on 2 nodes spawning one process
+  after the other onto free nodes): the first spawn worked, the second failed, 3 of 3 runs.
+- **Heap corruption.** Without a context id the info array has one element, yet two are passed
+  on and the second is destructed. mpirun or a daemon then dies, at once or later ("PRTE has lost
+  communication with a remote daemon", a ``prted`` segfault after ``PMIX_ERROR ...
+  pmix_server_dyn.c at line 1113``): the job is lost and relaunched. With the first defect taken
+  away by PMIx's fully described buffers (``--pmixmca bfrops_base_default_type 2``), 3 of 3 such
+  runs lost a daemon at their first spawn.
+
+Nothing in Open MPI's parameters avoids either. ``prrte_connect_fix.c`` does, in the runtime's
+processes only: ``PMIx_Info_create(n)`` allocates one constructed, empty element more, and an empty
+namespace is refused. With it the same program spawned four times across hosts, 3 of 3 runs,
+with no lost daemon (each connect then logs a harmless ``PMIX ERROR`` for the refused namespace).
+
+How it gets there: the supervisor compiles the C file with the host's C compiler into the run
+folder (which every node of a job sees) before each launch (:func:`runtime_env`), and
+``scripts/fresh_session.sh``, which starts mpirun and, as their launch agent, every daemon, puts
+it in their ``LD_PRELOAD``; the library takes itself out of ``LD_PRELOAD`` as it loads, so the
+ranks do not inherit it. Without a compiler (or where the build fails) the job runs without it,
+said once, and a launch that spans hosts spawns at most ``recover.rejoin.spawns_across_hosts``
+times before it regrows by a relaunch (``data_parallel/forward/rejoin.py``). A rank knows the fix
+is in from :data:`ENV` in its environment (:func:`active`): measured on the emulated cluster, every
+rank of the launch and every spawned process, on every node, has it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+ENV = "NANOTRON_RECOVER_PRRTE_FIX"  # the library's path, read by scripts/fresh_session.sh
+SOURCE = Path(__file__).with_name("prrte_connect_fix.c")
+FOLDER = "runtime"  # under the run folder
+BUILD_TIMEOUT_S = 60.0
+
+
+class BuildError(RuntimeError):
+    """The fix could not be compiled here."""
+
+
+def library_path(run_dir: str | Path) -> Path:
+    """Where the library built from the current source lives in ``run_dir`` (its name carries the
+    source's digest, so a changed source is built anew)."""
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return Path(run_dir) / FOLDER / f"prrte_connect_fix-{digest}.so"
+
+
+def active() -> bool:
+    """Whether this process's launch started Open MPI's runtime with the fix."""
+    path = os.environ.get(ENV)
+    return bool(path) and Path(path).is_file()
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: ``$CC``, else ``cc`` or ``gcc`` on the PATH."""
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def build(run_dir: str | Path) -> Path:
+    """The fix's library in ``run_dir``, compiled unless already there; raises :class:`BuildError`."""
+    target = library_path(run_dir)
+    if target.is_file():
+        return target
+    cc = compiler()
+    if cc is None:
+        raise BuildError("no C compiler (set CC, or install cc)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(partial), str(SOURCE), "-ldl"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        partial.unlink(missing_ok=True)
+        raise BuildError(f"{' '.join(cmd)}: {e}") from None
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise BuildError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip()[-400:]}")
+    os.replace(partial, target)  # whole or absent: launches of several jobs may build at once
+    return target
+
+
+def runtime_env(run_dir: str | Path, log: Callable[[str], None] | None = None) -> dict[str, str]:
+    """The environment entry that makes ``scripts/fresh_session.sh`` preload the fix into mpirun
+    and its daemons (built first if needed), or none when it cannot be built (said through ``log``)."""
+    try:
+        return {ENV: str(build(run_dir))}
+    except BuildError as e:
+        if log is not None:
+            log(
+                f"Open MPI's runtime runs without the spawn fix ({e}): a launch across hosts spawns "
+                "at most recover.rejoin.spawns_across_hosts times, then regrows by a relaunch"
+            )
+        return {}
