@@ -30,6 +30,9 @@ first) belongs to a frozen process:
 3. when that kill cannot be done (no Slurm, or the node does not run the step: the whole node is
    frozen or cut off), :meth:`poll` says so and the supervisor ends the job and relaunches it
    from node memory on the hosts that answer, as for a lost host.
+4. when every process of the rank table is silent, no member is left to repair anything:
+   :meth:`poll` says so and the supervisor ends the job and relaunches it at once, instead of
+   waiting out the commit deadline's repair bound for a repair that cannot come.
 
 A silent process the job has already removed itself (shrunk away after the runtime reported its
 death, marked ``fence/<host>-<pid>``: :func:`.fencing.removed_marker`) stays in the rank table
@@ -129,6 +132,14 @@ class FrozenProcessWatch:
                     f"rank {watched.rank} (pid {watched.pid} on {watched.host}, {where}) sent no "
                     f"heartbeat for {self._bound(watched):.0f} s and could not be removed"
                 )
+        table = self._table()
+        if found and table and all(key in self._removed for key in table):
+            # No member is left to repair the step: waiting out the repair bound helps nobody.
+            # Seen in a campaign: every rank SIGKILLed at once after several spawns in the launch,
+            # mpirun did not end, and the job waited 11 s more for a repair before its relaunch.
+            return (
+                f"every process of the job ({len(table)}) sent no heartbeat: none is left to repair the step"
+            )
         return None
 
     # -- finding ------------------------------------------------------------------------------

@@ -74,6 +74,33 @@ def test_a_frozen_process_alone_on_this_host_is_recorded_and_killed(tmp_path, sl
     assert watch.poll() is None  # once
 
 
+def test_when_every_process_is_silent_the_job_is_relaunched_at_once(tmp_path, sleeper):
+    """Every rank of the table silent (all SIGKILLed at once, and mpirun did not end): no member
+    can repair the step, so the watch asks for the relaunch instead of a repair bound."""
+    here = socket.gethostname()
+    others = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(2)]
+    try:
+        procs = [sleeper, *others]
+        for p in procs:
+            beat(tmp_path, here, p.pid, at=1000.0)
+        clock = Clock()
+        watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
+        rank_table(tmp_path, [(r, here, p.pid) for r, p in enumerate(procs)])
+        assert watch.poll() is None
+        beat(tmp_path, here, others[1].pid)  # one still beats: a member is left
+        clock.now = 13.2  # past the shared-host bound (two timeouts + three periods)
+        assert watch.poll() is None
+        assert [p.wait(timeout=10) for p in procs[:2]] == [-signal.SIGKILL] * 2
+        clock.now = 30.0  # the last one went silent too
+        said = watch.poll()
+        assert said is not None and "every process of the job (3)" in said, said
+        assert others[1].wait(timeout=10) == -signal.SIGKILL
+    finally:
+        for p in others:
+            p.kill()
+            p.wait(timeout=10)
+
+
 def test_a_silent_process_the_job_removed_is_killed_with_no_loss_and_no_relaunch(tmp_path, sleeper):
     """A rank the job shrank away (the runtime reported its death) stays in the rank table until a
     re-join replaces it, and its file goes silent. The job may be re-joining its replacement right
@@ -113,7 +140,8 @@ def test_the_table_an_earlier_launch_left_is_not_watched(tmp_path, sleeper):
         clock.now = now
         assert watch.poll() is None
     assert sleeper.poll() is None and read_records(tmp_path) == [] and watch.lost_at is None
-    rank_table(tmp_path, [(0, here, sleeper.pid)])  # this launch's (the same process, to test)
+    # This launch's (the same process, to test, and a node-mate elsewhere that is not silent).
+    rank_table(tmp_path, [(0, here, sleeper.pid), (1, "node-a", 11)])
     watch.poll()
     clock.now = 40.0
     assert watch.poll() is None and watch.lost_at == 40.0

@@ -14,7 +14,8 @@ changed to read (PRRTE 4 rewrote it). Two defects follow:
   Every member then fails to reach the new process (``opal_modex_recv: failed with return
   value=-46``, "unable to reach each other ... on host: unknown") and it dies in ``MPI_Init``.
   Measured with plain mpi4py on the emulated cluster (a launch on 2 nodes spawning one process
-  after the other onto free nodes): the first spawn worked, the second failed, 3 of 3 runs.
+  after the other onto free nodes, 4 times): 0 of 3 runs got past the second spawn (in two its
+  process could not reach the job; in one mpirun died of the defect below at the first).
 - **Heap corruption.** Without a context id the info array has one element, yet two are passed
   on and the second is destructed. mpirun or a daemon then dies, at once or later ("PRTE has lost
   communication with a remote daemon", a ``prted`` segfault after ``PMIX_ERROR ...
@@ -24,7 +25,7 @@ changed to read (PRRTE 4 rewrote it). Two defects follow:
 
 Nothing in Open MPI's parameters avoids either. ``prrte_connect_fix.c`` does, in the runtime's
 processes only: ``PMIx_Info_create(n)`` allocates one constructed, empty element more, and an empty
-namespace is refused. With it the same program spawned four times across hosts, 3 of 3 runs,
+namespace is refused. With it the same program spawned four times across hosts, 5 of 5 runs,
 with no lost daemon (each connect then logs a harmless ``PMIX ERROR`` for the refused namespace).
 
 How it gets there: the supervisor compiles the C file with the host's C compiler into the run
