@@ -23,8 +23,8 @@ changed to read (PRRTE 4 rewrote it). Two defects follow:
   away by PMIx's fully described buffers (``--pmixmca bfrops_base_default_type 2``), 3 of 3 such
   runs lost a daemon at their first spawn.
 
-Nothing in Open MPI's parameters avoids either. ``prrte_connect_fix.c`` does, in the runtime's
-processes only: ``PMIx_Info_create(n)`` allocates one constructed, empty element more, and an empty
+No parameter of Open MPI avoids the second (fully described buffers avoid only the first).
+``prrte_connect_fix.c`` avoids both, in the runtime's processes only: ``PMIx_Info_create(n)`` allocates one constructed, empty element more, and an empty
 namespace is refused. With it the same program spawned four times across hosts, 5 of 5 runs,
 with no lost daemon (each connect then logs a harmless ``PMIX ERROR`` for the refused namespace).
 
@@ -32,8 +32,9 @@ How it gets there: the supervisor compiles the C file with the host's C compiler
 folder (which every node of a job sees) before each launch (:func:`runtime_env`), and
 ``scripts/fresh_session.sh``, which starts mpirun and, as their launch agent, every daemon, puts
 it in their ``LD_PRELOAD``; the library takes itself out of ``LD_PRELOAD`` as it loads, so the
-ranks do not inherit it. Without a compiler (or where the build fails) the job runs without it,
-said once, and a launch that spans hosts spawns at most ``recover.rejoin.spawns_across_hosts``
+ranks do not inherit it. Without a compiler (or where the build fails, or the run folder's path
+has a space or a colon, which ``LD_PRELOAD`` cannot hold) the job runs without it, said at each
+launch, and a launch that spans hosts spawns at most ``recover.rejoin.spawns_across_hosts``
 times before it regrows by a relaunch (``data_parallel/forward/rejoin.py``). A rank knows the fix
 is in from :data:`ENV` in its environment (:func:`active`): measured on the emulated cluster, every
 rank of the launch and every spawned process, on every node, has it.
@@ -106,6 +107,8 @@ def runtime_env(run_dir: str | Path, log: Callable[[str], None] | None = None) -
     """The environment entry that makes ``scripts/fresh_session.sh`` preload the fix into mpirun
     and its daemons (built first if needed), or none when it cannot be built (said through ``log``)."""
     try:
+        if any(c in str(Path(run_dir).resolve()) for c in " :"):
+            raise BuildError(f"the run folder {run_dir} has a space or a colon, which LD_PRELOAD cannot hold")
         return {ENV: str(build(run_dir))}
     except BuildError as e:
         if log is not None:

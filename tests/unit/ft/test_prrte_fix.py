@@ -51,6 +51,12 @@ def test_a_failing_build_leaves_nothing_behind(tmp_path, monkeypatch):
     assert list((tmp_path / prrte_fix.FOLDER).iterdir()) == []
 
 
+def test_a_run_folder_that_ld_preload_cannot_name_goes_without_it(tmp_path):
+    said: list[str] = []
+    assert prrte_fix.runtime_env(tmp_path / "my run", said.append) == {}
+    assert "space or a colon" in said[0], said
+
+
 def test_a_rank_knows_the_fix_from_its_environment(tmp_path, monkeypatch):
     lib = tmp_path / "fix.so"
     monkeypatch.delenv(prrte_fix.ENV, raising=False)
