@@ -116,7 +116,8 @@ class FrozenProcessWatch:
         """Remove the frozen processes found now; a description when one could not be removed
         (the job must be ended and relaunched), else None."""
         now = self.clock()
-        found = self._frozen(now)
+        table = self._table()
+        found = self._frozen(now, table)
         removed_by_the_job = {w for w, _ in found if self._removed_by_the_job(w)}
         if len(removed_by_the_job) < len(found):
             self.lost_at = now
@@ -132,7 +133,6 @@ class FrozenProcessWatch:
                     f"rank {watched.rank} (pid {watched.pid} on {watched.host}, {where}) sent no "
                     f"heartbeat for {self._bound(watched):.0f} s and could not be removed"
                 )
-        table = self._table()
         if found and table and all(key in self._removed for key in table):
             # No member is left to repair the step: waiting out the repair bound helps nobody.
             # Seen in a campaign: every rank SIGKILLed at once after several spawns in the launch,
@@ -172,8 +172,7 @@ class FrozenProcessWatch:
             for row in table
         }
 
-    def _frozen(self, now: float) -> list[tuple[Watched, float]]:
-        table = self._table()
+    def _frozen(self, now: float, table: dict[tuple[str, int], Watched]) -> list[tuple[Watched, float]]:
         found = []
         try:
             files = list((self.run_dir / "heartbeats").iterdir())

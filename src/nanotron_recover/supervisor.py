@@ -286,12 +286,15 @@ def run_supervised(
     received: list[int] = []
     env = dict(os.environ if env is None else env)
     env[SUPERVISED_ENV] = "1"
-    env.update(prrte_fix.runtime_env(run_dir, log))  # mpirun's daemons can spawn across hosts
+    launch = fresh_session(cmd)
+    env.pop(prrte_fix.ENV, None)  # the ranks read it as "the runtime has the fix": only if it does
+    if launch != list(cmd):  # fresh_session.sh starts mpirun, and preloads the fix it is given
+        env.update(prrte_fix.runtime_env(run_dir, log))  # mpirun's daemons can spawn across hosts
     watch = CommitWatch(run_dir, deadline or DeadlineArgs(fixed_s=0), previous_start_s)
     stalled: Stalled | None = None
     hosts_gone: str | None = None
     # mpirun and its daemons first remove a killed predecessor's session folder of their pid.
-    proc = subprocess.Popen(fresh_session(cmd), env=env, start_new_session=True)
+    proc = subprocess.Popen(launch, env=env, start_new_session=True)
     previous = _install_forwarding(proc, received)
     started = time.monotonic()
     recorded_at: float | None = None

@@ -101,6 +101,43 @@ def test_when_every_process_is_silent_the_job_is_relaunched_at_once(tmp_path, sl
             p.wait(timeout=10)
 
 
+def test_the_last_member_silent_after_the_job_removed_the_others_is_a_relaunch(tmp_path, sleeper):
+    """The job shrank one rank away (its file silent, marked removed), then its last member went
+    silent too: nobody is left, so the watch asks for the relaunch."""
+    here = socket.gethostname()
+    gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        beat(tmp_path, here, gone.pid, at=1000.0)
+        marker = fencing.removed_marker(tmp_path, here, gone.pid)
+        marker.parent.mkdir(exist_ok=True)
+        marker.touch()
+        beat(tmp_path, here, sleeper.pid)
+        clock = Clock()
+        watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
+        rank_table(tmp_path, [(0, here, gone.pid), (1, here, sleeper.pid)])
+        assert watch.poll() is None
+        clock.now = 13.2
+        said = watch.poll()
+        assert said is not None and "every process of the job (2)" in said, said
+        assert gone.wait(timeout=10) == -signal.SIGKILL and sleeper.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        gone.kill()
+        gone.wait(timeout=10)
+
+
+def test_a_process_with_no_heartbeat_file_yet_keeps_the_job_from_being_relaunched(tmp_path, sleeper):
+    """A rank that has not beaten yet (no file) is not a silent one: a repair may still come."""
+    here = socket.gethostname()
+    beat(tmp_path, here, sleeper.pid, at=1000.0)
+    clock = Clock()
+    watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
+    rank_table(tmp_path, [(0, here, sleeper.pid), (1, "node-b", 12)])
+    assert watch.poll() is None
+    clock.now = 8.1
+    assert watch.poll() is None and watch.lost_at == 8.1  # removed, a repair bound: no relaunch
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL
+
+
 def test_a_silent_process_the_job_removed_is_killed_with_no_loss_and_no_relaunch(tmp_path, sleeper):
     """A rank the job shrank away (the runtime reported its death) stays in the rank table until a
     re-join replaces it, and its file goes silent. The job may be re-joining its replacement right

@@ -12,7 +12,8 @@
  *    "" that then matches every later namespace and answers their direct-modex requests with
  *    "not found" (the second spawn's process cannot reach the job). An empty namespace is refused.
  *
- * Nothing else is changed. In prterun and prted the library takes itself out of LD_PRELOAD as it
+ * Every info array the runtime allocates gets the spare element (libpmix and libprrte create
+ * them in many places): harmless, a few hundred bytes each. In prterun and prted the library takes itself out of LD_PRELOAD as it
  * loads, so the processes they start (the ranks) do not inherit it; mpirun itself only execs
  * prterun, which must inherit it.
  */
@@ -45,26 +46,34 @@ static void *next_symbol(const char *name)
 
 typedef void *(*info_create_fn)(size_t);
 
+/* The next definitions, found once; the runtime's threads may call in at the same time, so the
+ * pointers are read and written atomically (two threads finding them both store the same value). */
+static info_create_fn real_info_create;
+
 void *PMIx_Info_create(size_t n)
 {
-    static info_create_fn real = NULL;
+    info_create_fn real = __atomic_load_n(&real_info_create, __ATOMIC_ACQUIRE);
     if (real == NULL) {
         real = (info_create_fn) next_symbol("PMIx_Info_create");
+        __atomic_store_n(&real_info_create, real, __ATOMIC_RELEASE);
     }
     return real(n == 0 ? 0 : n + 1);
 }
 
 typedef int (*register_nspace_fn)(const char *, int, void *, size_t, void *, void *);
 
+static register_nspace_fn real_register_nspace;
+
 int PMIx_server_register_nspace(const char *nspace, int nlocalprocs, void *info, size_t ninfo,
                                 void *cbfunc, void *cbdata)
 {
-    static register_nspace_fn real = NULL;
     if (nspace == NULL || nspace[0] == '\0') {
         return PMIX_ERR_BAD_PARAM;
     }
+    register_nspace_fn real = __atomic_load_n(&real_register_nspace, __ATOMIC_ACQUIRE);
     if (real == NULL) {
         real = (register_nspace_fn) next_symbol("PMIx_server_register_nspace");
+        __atomic_store_n(&real_register_nspace, real, __ATOMIC_RELEASE);
     }
     return real(nspace, nlocalprocs, info, ninfo, cbfunc, cbdata);
 }

@@ -29,7 +29,8 @@ namespace is refused. With it the same program spawned four times across hosts, 
 with no lost daemon (each connect then logs a harmless ``PMIX ERROR`` for the refused namespace).
 
 How it gets there: the supervisor compiles the C file with the host's C compiler into the run
-folder (which every node of a job sees) before each launch (:func:`runtime_env`), and
+folder (which every node of a job sees) at the run's first launch and reuses it after
+(:func:`runtime_env`), and
 ``scripts/fresh_session.sh``, which starts mpirun and, as their launch agent, every daemon, puts
 it in their ``LD_PRELOAD``; the library takes itself out of ``LD_PRELOAD`` as it loads, so the
 ranks do not inherit it. Without a compiler (or where the build fails, or the run folder's path
@@ -46,6 +47,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -67,9 +69,11 @@ def library_path(run_dir: str | Path) -> Path:
 
 
 def active() -> bool:
-    """Whether this process's launch started Open MPI's runtime with the fix."""
-    path = os.environ.get(ENV)
-    return bool(path) and Path(path).is_file()
+    """Whether this process's launch started Open MPI's runtime with the fix: :data:`ENV`, which
+    the supervisor sets for the whole launch only when ``fresh_session.sh`` starts it (so it is
+    alike on every rank, which the re-join's decision needs; nothing here that could differ
+    between nodes, such as a file check, is read)."""
+    return bool(os.environ.get(ENV))
 
 
 def compiler() -> str | None:
@@ -88,29 +92,38 @@ def build(run_dir: str | Path) -> Path:
     cc = compiler()
     if cc is None:
         raise BuildError("no C compiler (set CC, or install cc)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # A name of its own (not the pid: the supervisors of two jobs on two nodes, each in its
+        # own pid namespace, may build at once), renamed into place whole.
+        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        os.close(fd)
+    except OSError as e:
+        raise BuildError(f"cannot write in {target.parent}: {e}") from None
+    partial = Path(name)
     cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(partial), str(SOURCE), "-ldl"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise BuildError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip()[-400:]}")
+        os.replace(partial, target)
     except (OSError, subprocess.TimeoutExpired) as e:
-        partial.unlink(missing_ok=True)
         raise BuildError(f"{' '.join(cmd)}: {e}") from None
-    if done.returncode != 0:
+    finally:
         partial.unlink(missing_ok=True)
-        raise BuildError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip()[-400:]}")
-    os.replace(partial, target)  # whole or absent: launches of several jobs may build at once
     return target
 
 
 def runtime_env(run_dir: str | Path, log: Callable[[str], None] | None = None) -> dict[str, str]:
     """The environment entry that makes ``scripts/fresh_session.sh`` preload the fix into mpirun
-    and its daemons (built first if needed), or none when it cannot be built (said through ``log``)."""
+    and its daemons (built first if needed), or none when it cannot be built (said through ``log``).
+    The caller sets it only for a command that script starts, and removes an inherited one otherwise."""
     try:
-        if any(c in str(Path(run_dir).resolve()) for c in " :"):
-            raise BuildError(f"the run folder {run_dir} has a space or a colon, which LD_PRELOAD cannot hold")
-        return {ENV: str(build(run_dir))}
-    except BuildError as e:
+        folder = Path(run_dir).resolve()
+        if any(c in str(folder) for c in " :"):
+            raise BuildError(f"the run folder {folder} has a space or a colon, which LD_PRELOAD cannot hold")
+        return {ENV: str(build(folder))}
+    except (BuildError, OSError) as e:
         if log is not None:
             log(
                 f"Open MPI's runtime runs without the spawn fix ({e}): a launch across hosts spawns "

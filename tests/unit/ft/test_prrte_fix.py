@@ -44,11 +44,25 @@ def test_without_a_compiler_the_runtime_runs_without_it_and_says_so(tmp_path, mo
 
 
 def test_a_failing_build_leaves_nothing_behind(tmp_path, monkeypatch):
-    monkeypatch.setattr(prrte_fix, "compiler", lambda: "false")
+    """A compiler that writes its output and then fails (a link error after the object, say):
+    neither its partial file nor a library is left, so a later launch builds again."""
+    stub = tmp_path / "failing-cc"
+    stub.write_text('#!/bin/sh\nwhile [ "$1" != -o ]; do shift; done; echo partial > "$2"; exit 1\n')
+    stub.chmod(0o755)
+    monkeypatch.setattr(prrte_fix, "compiler", lambda: str(stub))
     said: list[str] = []
-    assert prrte_fix.runtime_env(tmp_path, said.append) == {}
+    run = tmp_path / "run"
+    assert prrte_fix.runtime_env(run, said.append) == {}
     assert "exited 1" in said[0], said
-    assert list((tmp_path / prrte_fix.FOLDER).iterdir()) == []
+    assert list((run / prrte_fix.FOLDER).iterdir()) == []
+
+
+def test_a_run_folder_that_cannot_be_written_goes_without_it(tmp_path):
+    run = tmp_path / "run"
+    run.write_text("a file where the folder should be")
+    said: list[str] = []
+    assert prrte_fix.runtime_env(run, said.append) == {}
+    assert "cannot write" in said[0], said
 
 
 def test_a_run_folder_that_ld_preload_cannot_name_goes_without_it(tmp_path):
@@ -57,13 +71,13 @@ def test_a_run_folder_that_ld_preload_cannot_name_goes_without_it(tmp_path):
     assert "space or a colon" in said[0], said
 
 
-def test_a_rank_knows_the_fix_from_its_environment(tmp_path, monkeypatch):
-    lib = tmp_path / "fix.so"
+def test_a_rank_knows_the_fix_from_its_environment(monkeypatch):
+    """The launch's environment, alike on every rank: nothing a node could see differently."""
     monkeypatch.delenv(prrte_fix.ENV, raising=False)
     assert not prrte_fix.active()
-    monkeypatch.setenv(prrte_fix.ENV, str(lib))
-    assert not prrte_fix.active()  # named but absent: the runtime could not have loaded it
-    lib.write_bytes(b"")
+    monkeypatch.setenv(prrte_fix.ENV, "")
+    assert not prrte_fix.active()
+    monkeypatch.setenv(prrte_fix.ENV, "/somewhere/prrte_connect_fix-0.so")
     assert prrte_fix.active()
 
 
@@ -88,6 +102,10 @@ def test_an_empty_namespace_is_refused_and_info_arrays_get_one_element_more(tmp_
     register.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     register.argtypes += [ctypes.c_void_p]
     assert register(b"", 0, None, 0, None, None) == -27  # PMIX_ERR_BAD_PARAM, PMIx itself never called
+    # A named one goes on to PMIx, which answers as it does itself (here: no server, PMIX_ERR_INIT).
+    real = pmix.PMIx_server_register_nspace
+    real.argtypes = register.argtypes
+    assert register(b"job-1", 0, None, 0, None, None) == real(b"job-1", 0, None, 0, None, None) == -31
 
 
 @needs_compiler
