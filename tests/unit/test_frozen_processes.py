@@ -48,11 +48,23 @@ def beat(run_dir: Path, host: str, pid: int, launched: bool = False, at: float |
 
 
 @pytest.fixture
-def sleeper():
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    yield proc
-    proc.kill()
-    proc.wait(timeout=10)
+def sleepers():
+    """Starts idle processes (stand-ins for ranks) on call; every one is ended after the test."""
+    started: list[subprocess.Popen] = []
+
+    def start() -> subprocess.Popen:
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+        return started[-1]
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+def sleeper(sleepers):
+    return sleepers()
 
 
 def test_a_frozen_process_alone_on_this_host_is_recorded_and_killed(tmp_path, sleeper):
@@ -74,55 +86,45 @@ def test_a_frozen_process_alone_on_this_host_is_recorded_and_killed(tmp_path, sl
     assert watch.poll() is None  # once
 
 
-def test_when_every_process_is_silent_the_job_is_relaunched_at_once(tmp_path, sleeper):
+def test_when_every_process_is_silent_the_job_is_relaunched_at_once(tmp_path, sleepers):
     """Every rank of the table silent (all SIGKILLed at once, and mpirun did not end): no member
     can repair the step, so the watch asks for the relaunch instead of a repair bound."""
     here = socket.gethostname()
-    others = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(2)]
-    try:
-        procs = [sleeper, *others]
-        for p in procs:
-            beat(tmp_path, here, p.pid, at=1000.0)
-        clock = Clock()
-        watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
-        rank_table(tmp_path, [(r, here, p.pid) for r, p in enumerate(procs)])
-        assert watch.poll() is None
-        beat(tmp_path, here, others[1].pid)  # one still beats: a member is left
-        clock.now = 13.2  # past the shared-host bound (two timeouts + three periods)
-        assert watch.poll() is None
-        assert [p.wait(timeout=10) for p in procs[:2]] == [-signal.SIGKILL] * 2
-        clock.now = 30.0  # the last one went silent too
-        said = watch.poll()
-        assert said is not None and "every process of the job (3)" in said, said
-        assert others[1].wait(timeout=10) == -signal.SIGKILL
-    finally:
-        for p in others:
-            p.kill()
-            p.wait(timeout=10)
+    procs = [sleepers() for _ in range(3)]
+    for p in procs:
+        beat(tmp_path, here, p.pid, at=1000.0)
+    clock = Clock()
+    watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
+    rank_table(tmp_path, [(r, here, p.pid) for r, p in enumerate(procs)])
+    assert watch.poll() is None
+    beat(tmp_path, here, procs[2].pid)  # one still beats: a member is left
+    clock.now = 13.2  # past the shared-host bound (two timeouts + three periods)
+    assert watch.poll() is None
+    assert [p.wait(timeout=10) for p in procs[:2]] == [-signal.SIGKILL] * 2
+    clock.now = 30.0  # the last one went silent too
+    said = watch.poll()
+    assert said is not None and "every process of the job (3)" in said, said
+    assert procs[2].wait(timeout=10) == -signal.SIGKILL
 
 
-def test_the_last_member_silent_after_the_job_removed_the_others_is_a_relaunch(tmp_path, sleeper):
+def test_the_last_member_silent_after_the_job_removed_the_others_is_a_relaunch(tmp_path, sleepers):
     """The job shrank one rank away (its file silent, marked removed), then its last member went
     silent too: nobody is left, so the watch asks for the relaunch."""
     here = socket.gethostname()
-    gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    try:
-        beat(tmp_path, here, gone.pid, at=1000.0)
-        marker = fencing.removed_marker(tmp_path, here, gone.pid)
-        marker.parent.mkdir(exist_ok=True)
-        marker.touch()
-        beat(tmp_path, here, sleeper.pid)
-        clock = Clock()
-        watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
-        rank_table(tmp_path, [(0, here, gone.pid), (1, here, sleeper.pid)])
-        assert watch.poll() is None
-        clock.now = 13.2
-        said = watch.poll()
-        assert said is not None and "every process of the job (2)" in said, said
-        assert gone.wait(timeout=10) == -signal.SIGKILL and sleeper.wait(timeout=10) == -signal.SIGKILL
-    finally:
-        gone.kill()
-        gone.wait(timeout=10)
+    gone, last = sleepers(), sleepers()
+    beat(tmp_path, here, gone.pid, at=1000.0)
+    marker = fencing.removed_marker(tmp_path, here, gone.pid)
+    marker.parent.mkdir(exist_ok=True)
+    marker.touch()
+    beat(tmp_path, here, last.pid)
+    clock = Clock()
+    watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
+    rank_table(tmp_path, [(0, here, gone.pid), (1, here, last.pid)])
+    assert watch.poll() is None
+    clock.now = 13.2
+    said = watch.poll()
+    assert said is not None and "every process of the job (2)" in said, said
+    assert gone.wait(timeout=10) == -signal.SIGKILL and last.wait(timeout=10) == -signal.SIGKILL
 
 
 def test_a_process_with_no_heartbeat_file_yet_keeps_the_job_from_being_relaunched(tmp_path, sleeper):
