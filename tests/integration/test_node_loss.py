@@ -376,3 +376,52 @@ def test_a_launch_across_hosts_spawns_again_after_its_first_spawn(cluster, tmp_p
         log[-4000:]
     )
     assert job.leftovers(cluster.names) == {}
+
+
+def test_the_root_lost_during_a_spawn_leaves_no_process_waiting_on_the_spare(cluster, tmp_path, plain):
+    """Replica 1's rank is killed (an injected fault) and repaired forward; at the next boundary the
+    re-join's root (rank 0) spawns its replacement onto the spare node, and the test SIGKILLs rank 0
+    as soon as that process exists on the spare. The other members leave the join at the spawn
+    stage and train on. The spawned process, still starting, would then wait in ``MPI_Init`` for
+    parents that are gone, reached by no revoke, holding the spare (the next spawn "could not
+    start" and the job was relaunched to regrow, measured without the fix) and holding ``mpirun``
+    at its end; its watcher ends it instead (``ft/abandoned_join.py``), within seconds of the
+    failed join, so the next join spawns replica 1 onto the spare again. The run completes with
+    the plain curve and leaves nothing behind."""
+    extra = [
+        "recover.rejoin.mode=spawn",
+        "recover.faults=[{step: 4, replica: 1, phase: forward}]",
+        "recover.rejoin.join_timeout_s=120",
+    ]
+    job = ClusterJob(cluster, tmp_path, CONFIG, sets(extra), nodes=3, spares=1)
+    ranks = job.ranks()
+    training = {r["host"] for r in ranks}
+    spare = next(n for n in cluster.names if n not in training)
+    root = next(r for r in ranks if r["rank"] == 0)
+    deadline = time.monotonic() + 180
+    while not job.processes_on(spare):
+        assert time.monotonic() < deadline, f"no process spawned on {spare}\n{job.log()[-4000:]}"
+        time.sleep(0.01)
+    assert cluster.signal(root["host"], root["pid"], signal.SIGKILL), root
+
+    def failed_join() -> bool:
+        return any(i["kind"] == "rejoin" and i["status"] == "failed" for i in read_incidents(job.run_dir))
+
+    job.wait_until(failed_join, "the failed re-join")
+    failed_at = time.monotonic()
+    job.wait_until(lambda: not job.processes_on(spare), f"the spawned process on {spare} gone", timeout_s=30)
+    gone_s = time.monotonic() - failed_at
+    log = job.finish()
+
+    assert_trained_like_plain(job, plain, [0, 1, 2])
+    incidents = read_incidents(job.run_dir)
+    failed = [i for i in incidents if i["kind"] == "rejoin" and i["status"] == "failed"]
+    assert "a member failed during the spawn" in failed[0]["reason"], (failed, log[-4000:])
+    # The spare was free again: replica 1 came back by a spawn onto it. Replica 0's node still
+    # counts as used for Open MPI's runtime: its spawn cannot be placed, and a relaunch at full
+    # width from node memory brings it back.
+    assert any(i["kind"] == "rejoin" and i["status"] == "joined" and i["replicas"] == [1] for i in incidents)
+    assert job.leftovers(cluster.names) == {}
+    print(
+        f"spawned process gone {gone_s:.1f} s after the failed join; incidents {[i['kind'] for i in incidents]}"
+    )

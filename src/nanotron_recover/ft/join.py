@@ -69,7 +69,10 @@ the next step's agree, like any failure. Either way the job goes on at its width
 On spawned processes an abort never returns. A spawned process whose ``Merge`` or header broadcast
 fails (the members revoked the intercommunicator or ``merged`` when a stage failed, or one of them
 died) SIGKILLs itself in :func:`join_parent`; one whose commit agree does not commit SIGKILLs
-itself in :func:`commit_join`. The runtime reports its death like any crash.
+itself in :func:`commit_join`. The runtime reports its death like any crash. One still in
+``MPI_Init`` when the members left (the root died during the spawn) is reached by nothing in MPI:
+the members name the join given up in a marker file, and the process's watcher ends it
+(``abandoned_join.py``, started by the spawn command's environment).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ... import fencing
 from ...errors import StopRun
 from ...failures import Kind, Phase
-from ...ft import prrte_fix
+from ...ft import abandoned_join, prrte_fix, spawn_start
 from ...ft.faults import FaultInjector
 from ...ft.liveness import JoinWatch, start_heartbeat
 from ...ft.replica_world import init_replica_world
@@ -188,6 +188,8 @@ class Rejoin:
             "donors": s.ftc.alive_replicas,
         }
         s.phase = Phase.REJOIN
+        # Alike on the active members (the root is one): the root's spawn command carries it.
+        join = abandoned_join.join_id(s.generation, s.ftc.epoch, step)
         if not s.ftc.parked:
             s.injector.maybe_fail(Phase.REJOIN, 0)
         # No failure detector watches a spawned process before its join commits: its heartbeat
@@ -202,10 +204,13 @@ class Rejoin:
         )
         with s.watchdog.phase(REJOIN_PHASE, s.args.rejoin.join_timeout_s), watch:
             try:
-                command = spawn_command(s.run_dir, s.args.heartbeat_period_s)
+                command = spawn_command(s.run_dir, s.args.heartbeat_period_s, join)
                 pending = begin_join(s.ftc, plan, command, self._spawn_info(), payload)
             except JoinFailed as failed:
                 if replicas is not None:
+                    # Its spawned processes may still be connecting to the members, in MPI_Init,
+                    # which nothing interrupts: their watchers end them.
+                    abandoned_join.abandon(s.run_dir, join)
                     self.book.attempted(
                         list(replicas), step, joined=False, spawn_failed=failed.could_not_start
                     )
@@ -353,6 +358,7 @@ class Rejoin:
             # that does not look at failures): it dies at this shorter deadline instead.
             with s.watchdog.phase(MEMBERS_WAIT_PHASE, members_wait_s(s.args)):
                 s.ftc, pending = join_parent(p.inner, p.pp, p.dp, **callbacks)
+            spawn_start.joined_members()
             payload = pending.payload
             s.started = payload["started"]
             s.step = s.last_step = payload["step"]
@@ -392,9 +398,10 @@ def spawn_start_s(args: Any) -> float:
     return min(args.rejoin.join_timeout_s, max(15.0, 2 * args.heartbeat_timeout_s))
 
 
-def spawn_command(run_dir: Any, period_s: float) -> list[str]:
+def spawn_command(run_dir: Any, period_s: float, join: str | None = None) -> list[str]:
     """How a replacement process starts: this rank's own command line, through the CLI, with its
-    heartbeat file and period (it beats from its first moments: ``ft/spawn_start.py``) and this
+    heartbeat file and period (it beats from its first moments: ``ft/spawn_start.py``), the name
+    of its ``join`` (it dies if the members give that join up: ``ft/abandoned_join.py``) and this
     job's fencing token (``fencing.py``) in its environment: the runtime does not pass the job's
     environment on to spawned processes on every launcher, and a replacement must not adopt a
     token newer than the job that made it.
@@ -405,6 +412,8 @@ def spawn_command(run_dir: Any, period_s: float) -> list[str]:
 
     cmd = [sys.executable, "-m", "nanotron_recover.cli", *sys.argv[1:]]
     env = [f"{BEAT_ENV}={beat_value(run_dir, period_s)}", SPAWNED_DETECTOR_OFF]
+    if join is not None:
+        env.append(f"{abandoned_join.ENV}={join}")
     token = fencing.mine()
     if token is not None:
         env.append(f"{fencing.ENV}={token}")
