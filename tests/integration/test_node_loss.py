@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -331,6 +332,13 @@ def test_spare_node_lost_during_a_rejoin(cluster, tmp_path, plain):
     print(f"spare {spare} lost at step {spawned_at_step}; incidents {kinds}")
 
 
+def cpus_allowed(pid: int) -> str:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return next(
+        line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list")
+    )
+
+
 def test_a_launch_across_hosts_spawns_again_after_its_first_spawn(cluster, tmp_path, plain):
     """One launch across hosts re-joins twice by spawning: dp=2 on two nodes and two spare nodes;
     the test SIGKILLs replica 1's process from outside after step 3, and its spawned replacement
@@ -354,6 +362,10 @@ def test_a_launch_across_hosts_spawns_again_after_its_first_spawn(cluster, tmp_p
             "full width",
         )
         rank = next(r for r in job.ranks() if r["replica"] == 1)
+        if after_step == 12:
+            # The spawned process may run where its node's own processes run, as the launch's
+            # (unbound): not bound by the runtime to a core of the CPUs mpirun saw on its host.
+            assert cpus_allowed(rank["pid"]) == cpus_allowed(cluster._slurmd[rank["host"]].pid), rank
         killed_after.append(job.committed())
         assert cluster.signal(rank["host"], rank["pid"], signal.SIGKILL), rank
     log = job.finish()

@@ -267,8 +267,15 @@ class Rejoin:
         )
 
     def _spawn_info(self) -> dict[str, str]:
+        """``MPI_Comm_spawn``'s info: where the process starts, and where it may run.
+
+        ``bind_to: none`` as the launch (``launcher.mpirun_command``): otherwise Open MPI's runtime
+        binds a spawned process by its default policy, to one core, taken from the CPUs ``mpirun``
+        saw on its own host (measured on the emulated cluster, each node on its own CPU: every
+        spawned process was bound to the batch host's CPU, whatever its node, beside that host's
+        rank, while its own node's CPU stood idle)."""
         rejoin = self.s.args.rejoin
-        info = {"wdir": os.getcwd()}
+        info = {"wdir": os.getcwd(), "bind_to": "none"}
         if rejoin.hosts:
             info["host"] = ",".join(rejoin.hosts)
         if rejoin.hostfile:
