@@ -421,7 +421,7 @@ def test_the_root_lost_during_a_spawn_leaves_no_process_waiting_on_the_spare(clu
 
     job.wait_until(failed_join, "the failed re-join")
     failed_at = time.monotonic()
-    job.wait_until(lambda: not job.processes_on(spare), f"the spawned process on {spare} gone", timeout_s=30)
+    job.wait_until(lambda: not job.processes_on(spare), f"the spawned process on {spare} gone")
     gone_s = time.monotonic() - failed_at
     log = job.finish()
 

@@ -101,19 +101,19 @@ def start_watcher(run_dir: str | os.PathLike, join: str, period_s: float) -> Wat
     return Watcher(proc)
 
 
-def watch(marker_path: Path, pid: int, period_s: float, stdin_fd: int = 0) -> str:
-    """The watcher's loop: SIGKILL ``pid`` once ``marker_path`` exists; return on end of file on
-    ``stdin_fd``. Returns what ended it: ``"released"`` or ``"killed"``."""
+def watch(marker_path: Path, pid: int, period_s: float, stdin_fd: int = 0) -> None:
+    """The watcher's loop: SIGKILL ``pid`` once ``marker_path`` exists; return then, or on end of
+    file on ``stdin_fd`` (the process released its watcher, or died)."""
     while True:
         readable, _, _ = select.select([stdin_fd], [], [], period_s)
         if readable and not os.read(stdin_fd, 4096):
-            return "released"
+            return
         if marker_path.exists():
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            return "killed"
+            return
 
 
 def main(argv: list[str]) -> int:

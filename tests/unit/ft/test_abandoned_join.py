@@ -13,6 +13,7 @@ import pytest
 
 from nanotron_recover.ft import spawn_start
 from nanotron_recover.ft.abandoned_join import ENV, abandon, join_id, marker
+from tests.helpers.mpirun_utils import process_exists
 
 # A stand-in for a spawned process: it starts its watcher, says the watcher's pid, then runs what
 # the test asks for (``HOLD``: a C call that keeps the GIL for 60 s, as MPI_Init waiting for parents).
@@ -41,22 +42,10 @@ def stand_in(tmp_path: Path, join: str, what: str, *extra: str) -> subprocess.Po
     )
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie of this test's own child is gone for the purpose here.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def wait_gone(pid: int, timeout: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not alive(pid):
+        if not process_exists(pid):  # a zombie counts as gone
             return True
         time.sleep(0.05)
     return False
