@@ -1,8 +1,9 @@
-"""One short seeded chaos campaign on this host: ``nanotron-recover chaos`` launches a 3-replica
-job with re-join on and sends, from outside, a SIGKILL, a SIGSTOP and a kill timed into a re-join
-(the first kill's incident recorded, its replacement spawned and not joined yet). The test reads
-only ``chaos.json``: exit 0, the plain run's ids and loss at every step, a recorded reaction to each
-fault, and the job back at its initial width at the end."""
+"""Short chaos campaigns on this host: ``nanotron-recover chaos`` launches a 3-replica job with
+re-join on and sends faults from outside. A seeded one sends a SIGKILL, a SIGSTOP and a kill timed
+into a re-join (the first kill's incident recorded, its replacement spawned and not joined yet); a
+replayed one sends the pair of kills a longer campaign found stalling the job. The tests read only
+``chaos.json``: exit 0, the plain run's ids and loss at every step, a recorded reaction to each
+fault, and the job back at its initial width at the end. Both share one plain reference run."""
 
 from __future__ import annotations
 
@@ -37,9 +38,16 @@ KINDS = ["kill", "freeze", "kill_during_rejoin"]
 SEED = 1
 
 
-def test_seeded_campaign_equals_the_plain_run(tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The plain reference runs' folder, shared: the campaigns here run the same config."""
+    return tmp_path_factory.mktemp("chaos_reference")
+
+
+def test_seeded_campaign_equals_the_plain_run(tmp_path, reference):
     run_dir = tmp_path / "run"
     args = ["chaos", "--config", CONFIG, "--run-dir", str(run_dir), "--seed", str(SEED), "--faults", "3"]
+    args += ["--reference", str(reference)]
     args += ["--kinds", ",".join(KINDS), "--first-step", "10", "--min-gap", "60", "--timeout-s", "150"]
     args += [a for s in SETS for a in ("--set", s)]
     result = run_cli(args, timeout=180)
@@ -75,3 +83,58 @@ def test_seeded_campaign_equals_the_plain_run(tmp_path):
         assert "rejoin" in fault["incident_kinds"], fault  # every lost replica came back
     assert totals["rejoins_joined"] >= 3
     assert totals["frozen_left_behind"] == []
+
+
+def _victims(*replicas: int) -> list[dict]:
+    return [{"replica": r, "local_rank": 0} for r in replicas]
+
+
+# Found by a 3-fault campaign on this host (seed 1, kill_two only): the first pair re-joins as one
+# spawn; the second kills the launch's last rank and one of the spawned pair together. The runtime
+# then told the last rank of no second death, and it waited in the recovery's agreement until the
+# supervisor relaunched the stalled job, 26 s later (ft/death_notices.py).
+LAST_LAUNCH_RANK_SCHEDULE = {
+    "format": "nanotron-recover chaos schedule 1",
+    "seed": 1,
+    "kinds": ["kill_two"],
+    "dp": DP,
+    "replica_size": 1,
+    "first_step": 50,
+    "last_step": 240,
+    "min_gap": 3,
+    "faults": [
+        {"index": 0, "kind": "kill_two", "step": 80, "delay": 0.084, "victims": _victims(1, 2), "role": None},
+        {
+            "index": 1,
+            "kind": "kill_two",
+            "step": 118,
+            "delay": 0.626,
+            "victims": _victims(0, 1),
+            "role": None,
+        },
+    ],
+}
+
+
+def test_deaths_after_the_launch_is_gone_are_repaired_in_place(tmp_path, reference):
+    """Replicas 1 and 2 killed and re-joined (their processes spawned together), then replica 0 (the
+    launch's last rank) and replica 1 killed together: replica 2 alone must repair the step itself
+    (no relaunch) and re-join both, and the run equal the plain one."""
+    run_dir = tmp_path / "run"
+    schedule = tmp_path / "schedule.json"
+    schedule.write_text(json.dumps(LAST_LAUNCH_RANK_SCHEDULE))
+    args = ["chaos", "--config", CONFIG, "--run-dir", str(run_dir), "--replay", str(schedule)]
+    args += ["--reference", str(reference), "--timeout-s", "150"]
+    args += [a for s in SETS for a in ("--set", s)]
+    result = run_cli(args, timeout=180)
+    record = json.loads((run_dir / "chaos.json").read_text())
+    totals = record["totals"]
+    print((run_dir / "chaos.md").read_text())
+    assert result.returncode == 0 and record["exit_status"] == 0, record["verdict"] + result.output[-3000:]
+    assert record["comparison"]["equal"] and totals["equal_to_plain"]
+    assert totals["faults_sent"] == 2 and not record["unsent"]
+    for fault in record["faults"]:
+        assert [s["sent"] for s in fault["signals"]] == [True, True], fault
+        assert fault["relaunches"] == [], fault  # repaired in place, not stalled and relaunched
+        assert fault["incident_kinds"] == ["crash", "rejoin"], fault
+    assert totals["final_replicas"] == DP

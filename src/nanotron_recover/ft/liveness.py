@@ -3,8 +3,9 @@
 ULFM's heartbeat detector (Open MPI 5.0, ``ompi/communicator/ft/comm_ft_detector.c``) runs on each
 process's own ``MPI_COMM_WORLD`` only, its ranks arranged in a ring where each observes the next
 alive one. Two kinds of process are outside every ring, and if one freezes (SIGSTOP, a node that
-stops answering) the others wait for it forever; a crashed one is still reported by the runtime
-like any other:
+stops answering) the others wait for it forever (a crashed one is reported by the runtime, or, once
+no process of the launch is left and the runtime reports no death, by its node-mates'
+``death_notices.py`` and its peers' broken TCP connections):
 
 - a process spawned by a re-join: it has a world of its own (measured: a SIGSTOPped spawned process
   was not reported to its parents within 40 s);
@@ -26,9 +27,10 @@ The protocol has two sides:
   still runs, belongs to a frozen process.
 
 The monitor writes the failure record that the frozen rank cannot write itself (kind ``hang``, at
-the time of its last heartbeat), then SIGKILLs the process. The runtime reports the death to every
-rank as it reports a crash, and forward recovery and re-join take over. Several monitors on one host
-may act on the same process; a second SIGKILL and an identical record change nothing.
+the time of its last heartbeat), then SIGKILLs the process. The death is then reported as a crash
+is (by the runtime, or by the node-mates' death notices), and forward recovery and re-join take
+over. Several monitors on one host may act on the same process; a second SIGKILL and an identical
+record change nothing.
 
 A frozen process on a host where no other process of the job runs has no such monitor: the
 supervisor watches its file and removes it on its node (``frozen_processes.py``). ``run_dir`` must

@@ -25,6 +25,10 @@ class ProcessInfo:
     host: str
     pid: int
     start_ticks: int | None  # /proc/<pid>/stat field 22 (None where /proc is missing)
+    # The process's name in Open MPI's runtime (PMIx namespace and rank; None outside it): what a
+    # node-mate needs to tell its own MPI library that this process died (:mod:`.death_notices`).
+    nspace: str | None = None
+    pmix_rank: int | None = None
 
     def as_dict(self) -> dict:
         return {"rank": self.rank, "host": self.host, "pid": self.pid}
@@ -50,7 +54,15 @@ def _state(pid: int) -> str | None:
 
 def this_process(rank: int) -> ProcessInfo:
     pid = os.getpid()
-    return ProcessInfo(rank=rank, host=socket.gethostname(), pid=pid, start_ticks=_start_ticks(pid))
+    nspace, pmix_rank = os.environ.get("PMIX_NAMESPACE"), os.environ.get("PMIX_RANK", "")
+    return ProcessInfo(
+        rank=rank,
+        host=socket.gethostname(),
+        pid=pid,
+        start_ticks=_start_ticks(pid),
+        nspace=nspace or None,
+        pmix_rank=int(pmix_rank) if nspace and pmix_rank.isdigit() else None,
+    )
 
 
 def still_running(info: ProcessInfo) -> bool | None:

@@ -31,6 +31,7 @@ from typing import Any, NoReturn
 from ... import fencing
 from ...atomic_file import write_text_atomically
 from ...failures import Kind
+from ...ft.death_notices import start_death_notices
 from ...ft.failstop import fail_stop
 from ...ft.liveness import SpawnedMonitor, beat_once_alone, rank_heartbeat_file, start_rank_heartbeat
 from ...ft.processes import ProcessInfo, reap
@@ -198,6 +199,9 @@ class Members:
             ).start()
             if MPI.Comm.Get_parent() == MPI.COMM_NULL:
                 beat_once_alone(s.run_dir, s.args.heartbeat_period_s)
+            # Once the launch's processes are all gone, the runtime reports no death to anyone;
+            # between node-mates (shared memory) nothing else does (ft/death_notices.py).
+            start_death_notices(s.args.heartbeat_period_s, lambda: s.ftc.processes)
 
     def _on_frozen_spawned(self, info: ProcessInfo, last_beat: float, age: float) -> None:
         """Monitor thread: a process of this host that ULFM does not watch is frozen. Write the
