@@ -15,7 +15,14 @@ whole probe by ``PROBE_TIMEOUT_S``. The supervisor starts the probe the moment a
 counts as no host known lost.
 
 A relaunched job is told the answering hosts with as many slots each as the job placed per node
-(``--host a:R,b:R``, ``R`` from ``--map-by ppr:R:node``), and ``plm_slurm_args --overlap``: the
+(``--host a:R,b:R``, ``R`` from ``--map-by ppr:R:node``), the hosts the last job's ranks ran on
+first (:func:`holders_first`): the runtime fills the hosts in that order, and those hosts hold the
+newest node-memory snapshots. In the allocation's order instead, a relaunch after re-joins onto
+spare nodes started on nodes that held only older snapshots, and resumed from the disk checkpoint
+(seen in a 60-fault campaign on the emulated cluster: replicas re-joined onto 3 of the 6 nodes,
+every rank then killed at step 2543, and the relaunch on the first 3 nodes found no step newer
+than 2496 in node memory: it resumed from the checkpoint of step 2540, 3 steps redone, where
+checkpoints 1,000 steps apart would have redone the 47 since that snapshot); and ``plm_slurm_args --overlap``: the
 previous job's step that started the runtime's daemons never ends (its lost node cannot confirm),
 and without ``--overlap`` the new daemons would wait for its resources forever. When the answering
 hosts hold fewer ranks than the job had, it is relaunched narrower (:func:`relaunch_ranks`): whole
@@ -30,11 +37,13 @@ relaunched as it was.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from .host_probe import PROBE_TIMEOUT_S, PROBE_TRY_S, probe_hosts, run_bounded
 
@@ -175,6 +184,24 @@ def _past_timeout(cmd: list[str], i: int) -> int | None:
         else:
             return None
     return None
+
+
+def rank_table_hosts(run_dir: str | Path) -> list[str]:
+    """The hosts of the run's last rank table (``ranks.json``), in the order of their first rank;
+    empty when there is none or it cannot be read."""
+    try:
+        table = json.loads((Path(run_dir) / "ranks.json").read_text())
+        rows = sorted(table, key=lambda row: int(row["rank"]))
+        return list(dict.fromkeys(str(row["host"]) for row in rows))
+    except (OSError, ValueError, TypeError, KeyError):
+        return []
+
+
+def holders_first(answering: list[str], holders: list[str]) -> list[str]:
+    """``answering`` with the ``holders`` among them first (in the holders' order), then the others
+    in their own order: a relaunch fills its hosts in this order."""
+    first = [h for h in holders if h in answering]
+    return first + [h for h in answering if h not in first]
 
 
 def relaunch_command(cmd: list[str], hosts: list[str], ranks: int | None = None) -> list[str]:

@@ -77,7 +77,15 @@ from .frozen_processes import FrozenProcessWatch
 from .ft import prrte_fix
 from .generation import Relaunch, clear_relaunch, write_relaunch
 from .host_probe import ProbeRun
-from .hosts import LAUNCHERS, HostPlan, launcher_at, relaunch_command, relaunch_ranks
+from .hosts import (
+    LAUNCHERS,
+    HostPlan,
+    holders_first,
+    launcher_at,
+    rank_table_hosts,
+    relaunch_command,
+    relaunch_ranks,
+)
 from .logging.metrics import read_metrics
 from .lost_hosts import LostHostWatch
 from .outcome import (
@@ -602,6 +610,9 @@ def run_relaunching(
         cleanup_s = max(0.0, cleaned_at - ended_at)
         answering, probe_s = early.answer(result)
         lost = [h for h in hosts.hosts if h not in answering] if hosts is not None else []
+        # The ranks land on the hosts in this order: those of the last rank table first, which
+        # hold the newest node-memory snapshots (hosts.py).
+        answering = holders_first(answering, rank_table_hosts(run_dir))
         # A job that dies before committing a new step would die again -- unless it died because
         # one more host was lost (a node lost while the job restarts): that is a new fault.
         newly_lost = [h for h in lost if h not in lost_before]

@@ -1,9 +1,10 @@
 """The relaunch's host plan: which hosts answer (probed in parallel, measured, retried, bounded),
-and the launcher's line restricted to them, with the job's slots per node and, when they hold
-fewer, fewer whole replicas."""
+and the launcher's line restricted to them, the last rank table's hosts first, with the job's
+slots per node and, when they hold fewer, fewer whole replicas."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -15,7 +16,9 @@ from nanotron_recover.host_probe import ProbeRun, probe_hosts, run_bounded
 from nanotron_recover.hosts import (
     HostPlan,
     dead_state,
+    holders_first,
     launcher_at,
+    rank_table_hosts,
     ranks_of,
     relaunch_command,
     relaunch_ranks,
@@ -336,3 +339,26 @@ def test_a_command_is_run_with_a_bound():
     assert run_bounded(["/nonexistent/command"], 10) == (None, "")
     result, took = timed(lambda: run_bounded(["sleep", "30"], 0.2))
     assert result == (None, "") and took < 3.0
+
+
+def test_the_hosts_of_the_last_rank_table_come_first(tmp_path):
+    table = [
+        {"rank": 2, "host": "f"},
+        {"rank": 0, "host": "d"},
+        {"rank": 1, "host": "d"},
+        {"rank": 3, "host": "b"},
+    ]
+    (tmp_path / "ranks.json").write_text(json.dumps(table))
+    holders = rank_table_hosts(tmp_path)
+    assert holders == ["d", "f", "b"]  # by first rank, each once
+    # A lost holder (e) is left out; the other answering hosts follow in their own order.
+    assert holders_first(["a", "b", "c", "d", "f"], holders + ["e"]) == ["d", "f", "b", "a", "c"]
+    assert holders_first(["a", "b"], []) == ["a", "b"]
+
+
+def test_no_rank_table_means_the_allocation_order(tmp_path):
+    assert rank_table_hosts(tmp_path) == []
+    (tmp_path / "ranks.json").write_text("{not json")
+    assert rank_table_hosts(tmp_path) == []
+    (tmp_path / "ranks.json").write_text(json.dumps([{"host": "a"}]))  # no rank
+    assert rank_table_hosts(tmp_path) == []

@@ -279,6 +279,42 @@ def test_a_command_that_cannot_be_restricted_to_the_answering_hosts_is_said_once
     assert record is not None and record.hosts_lost == ["b"] and record.hosts == ["a"]
 
 
+def test_a_relaunch_starts_on_the_hosts_the_last_ranks_ran_on(tmp_path):
+    """Re-joins put the ranks on c and b (the rank table); every rank then dies. The relaunch lists
+    c and b first, where the newest node-memory snapshots are, not the allocation's a, b, c: the
+    runtime fills the hosts in that order. Seen on the emulated cluster: in allocation order the
+    relaunch found only older snapshots and resumed from the disk checkpoint."""
+    launcher = tmp_path / "bin" / "mpirun"  # an Open MPI launcher's name: its line is rewritten
+    launcher.parent.mkdir()
+    job = fake_job(
+        tmp_path,
+        "if n == 1:\n"
+        + TABLE_C_B
+        + "    commit(1)\n"
+        + "else:\n    commit(2); record('completed', 2, None, 0, target_step=2)\n",
+    )
+    launcher.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"with open({str(tmp_path / 'argv.jsonl')!r}, 'a') as f:\n    f.write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        f"exec(open({job[1]!r}).read())\n"
+    )
+    launcher.chmod(0o755)
+    cmd = [str(launcher), "--map-by", "ppr:1:node", "-n", "2", "prog"]
+    code = run_relaunching(
+        cmd, tmp_path / "run", grace_s=1.0, relaunches=2, hosts=Hosts(["a", "b", "c"]), timeout_s=120
+    )
+    assert code == 0
+    lines = [json.loads(line) for line in (tmp_path / "argv.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and "--host" not in lines[0]
+    assert lines[1][lines[1].index("--host") + 1] == "c:1,b:1,a:1"
+
+
+TABLE_C_B = (
+    "    rows = [{'rank': 1, 'host': 'b', 'pid': 11}, {'rank': 0, 'host': 'c', 'pid': 10}]\n"
+    "    (run_dir / 'ranks.json').write_text(json.dumps(rows))\n"
+)
+
+
 class Unreapable:
     """A session leader that SIGKILL does not end (uninterruptible sleep): ``wait`` never returns."""
 
