@@ -44,17 +44,23 @@ def reference(tmp_path_factory):
     return tmp_path_factory.mktemp("chaos_reference")
 
 
-def test_seeded_campaign_equals_the_plain_run(tmp_path, reference):
-    run_dir = tmp_path / "run"
-    args = ["chaos", "--config", CONFIG, "--run-dir", str(run_dir), "--seed", str(SEED), "--faults", "3"]
-    args += ["--reference", str(reference)]
-    args += ["--kinds", ",".join(KINDS), "--first-step", "10", "--min-gap", "60", "--timeout-s", "150"]
-    args += [a for s in SETS for a in ("--set", s)]
-    result = run_cli(args, timeout=180)
+def _campaign(run_dir, reference, *args: str) -> dict:
+    """``nanotron-recover chaos`` on the suite's config (``args``: what the campaign sends); its
+    ``chaos.json``, after checking that the job exited 0."""
+    cmd = ["chaos", "--config", CONFIG, "--run-dir", str(run_dir), "--reference", str(reference), *args]
+    result = run_cli([*cmd, *(a for s in SETS for a in ("--set", s))], timeout=180)
     record = json.loads((run_dir / "chaos.json").read_text())
-    totals = record["totals"]
     print((run_dir / "chaos.md").read_text())
     assert result.returncode == 0 and record["exit_status"] == 0, record["verdict"] + result.output[-3000:]
+    return record
+
+
+def test_seeded_campaign_equals_the_plain_run(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    args = ["--seed", str(SEED), "--faults", "3", "--kinds", ",".join(KINDS)]
+    args += ["--first-step", "10", "--min-gap", "60", "--timeout-s", "150"]
+    record = _campaign(run_dir, reference, *args)
+    totals = record["totals"]
 
     # The schedule is the seeded draw, written for --replay.
     want = draw_schedule(SEED, 3, KINDS, dp=DP, replica_size=1, first_step=10, last_step=240, min_gap=60)
@@ -120,17 +126,10 @@ def test_deaths_after_the_launch_is_gone_are_repaired_in_place(tmp_path, referen
     """Replicas 1 and 2 killed and re-joined (their processes spawned together), then replica 0 (the
     launch's last rank) and replica 1 killed together: replica 2 alone must repair the step itself
     (no relaunch) and re-join both, and the run equal the plain one."""
-    run_dir = tmp_path / "run"
     schedule = tmp_path / "schedule.json"
     schedule.write_text(json.dumps(LAST_LAUNCH_RANK_SCHEDULE))
-    args = ["chaos", "--config", CONFIG, "--run-dir", str(run_dir), "--replay", str(schedule)]
-    args += ["--reference", str(reference), "--timeout-s", "150"]
-    args += [a for s in SETS for a in ("--set", s)]
-    result = run_cli(args, timeout=180)
-    record = json.loads((run_dir / "chaos.json").read_text())
+    record = _campaign(tmp_path / "run", reference, "--replay", str(schedule), "--timeout-s", "150")
     totals = record["totals"]
-    print((run_dir / "chaos.md").read_text())
-    assert result.returncode == 0 and record["exit_status"] == 0, record["verdict"] + result.output[-3000:]
     assert record["comparison"]["equal"] and totals["equal_to_plain"]
     assert totals["faults_sent"] == 2 and not record["unsent"]
     for fault in record["faults"]:

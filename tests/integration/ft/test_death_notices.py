@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.mpirun_utils import kill_tree, rank_results
+from tests.helpers.mpirun_utils import rank_results, run_process
 
 WORKER = Path(__file__).resolve().parents[3] / "tests" / "helpers" / "mpi_workers" / "death_notice_worker.py"
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
@@ -40,16 +39,9 @@ def test_a_death_after_the_launch_is_gone_is_reported_only_by_the_notices(tmp_pa
     cmd += ["--prtemca", "state_base_recoverable", "1", "--mca", "coll", "^han,cuda", "--mca", "btl", "^ofi"]
     cmd += ["-n", "1", sys.executable, str(WORKER), "--out", str(out), "--wait", str(WAIT_S)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[3])}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True
-    )
-    try:
-        log, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        log, _ = proc.communicate()
-        pytest.fail(f"mpirun timed out after {RUN_TIMEOUT_S}s\n{log[-4000:]}")
-    res = rank_results(out, proc.returncode, log)
+    result = run_process(cmd, RUN_TIMEOUT_S, env=env)  # killed as a whole past its bound
+    log = result.stdout + result.stderr
+    res = rank_results(out, result.returncode, log)
     assert res[0].get("killed") and res[1].get("killed"), res
     survivor = res.get(2)
     assert survivor is not None, log[-4000:]
