@@ -177,7 +177,13 @@ class DeathNotices:
             if name in self._told or still_running(info) is not False:
                 continue
             self._told.add(name)
-            self._announce(*name)
+            if not self._announce(*name):
+                print(
+                    f"[nanotron-recover] death notices: PMIx refused the event for rank {info.rank} "
+                    f"(pid {info.pid}, {name[0]}:{name[1]})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             found.append(info)
         return found
 

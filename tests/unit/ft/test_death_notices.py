@@ -106,3 +106,11 @@ def test_the_installed_pmix_has_the_constants_used():
     events = PmixEvents(str(VENV_PMIX))
     assert events.available, events.why_not
     assert loaded_pmix() is not None  # now mapped into this process
+
+
+def test_an_event_pmix_refuses_is_said(children, capfd):
+    proc = children[0]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    DeathNotices(0.05, lambda: [info(proc.pid, 4, nspace="job@4")], lambda ns, r: False).check()
+    assert "PMIx refused the event for rank 4" in capfd.readouterr().err
