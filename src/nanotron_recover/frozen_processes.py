@@ -3,8 +3,9 @@
 Inside the job, a frozen rank is found by ULFM's heartbeat detector, and the processes that
 detector does not watch -- a process spawned by a re-join, a launch rank left alone in its launch
 world -- beat to a heartbeat file (``ft/liveness.py``) that every rank on *their own host* watches:
-only there can a rank SIGKILL a frozen one, so that the runtime reports the death to every rank and
-the step is repaired. Two cases were left, both measured on the emulated cluster:
+only there can a rank SIGKILL a frozen one, so that its death is reported to every rank (by the
+runtime; once no launch process is alive, by broken TCP connections and node-mates'
+``ft/death_notices.py``) and the step is repaired. Two cases were left, both measured on the emulated cluster:
 
 - a process alone on its node (a spawned process on a spare node, a launch rank whose node-mates
   were replaced) has no observer on its host: frozen, it held every member until the commit
@@ -25,7 +26,7 @@ first) belongs to a frozen process:
    its last heartbeat), as a rank's monitor would;
 2. it SIGKILLs the process on its node: directly on its own host, else through a one-task
    ``srun --overlap`` step on that node that checks the process's start time first (a pid reused
-   since is left alone). The runtime then reports the death like a crash, and the job repairs the
+   since is left alone). The death is then reported like a crash's, and the job repairs the
    step (and re-joins) without a relaunch: a repair, seconds;
 3. when that kill cannot be done (no Slurm, or the node does not run the step: the whole node is
    frozen or cut off), :meth:`poll` says so and the supervisor ends the job and relaunches it
