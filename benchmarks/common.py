@@ -15,6 +15,7 @@ import torch
 
 from nanotron_recover.demo import tiny_config_path
 from nanotron_recover.launcher import train_command
+from nanotron_recover.session_dirs import fresh_session
 
 
 def run_training(
@@ -24,7 +25,7 @@ def run_training(
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.DEVNULL if quiet else None
     cmd = train_command(tiny_config_path(), run_dir, overrides, nproc)
-    subprocess.run(cmd, check=True, timeout=timeout_s, env=env, stdout=out)
+    subprocess.run(fresh_session(cmd), check=True, timeout=timeout_s, env=env, stdout=out)
 
 
 def machine_info() -> dict:

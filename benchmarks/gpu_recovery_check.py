@@ -47,6 +47,7 @@ from nanotron_recover.demo import tiny_config_path
 from nanotron_recover.launcher import train_command
 from nanotron_recover.logging import read_incidents, read_metrics
 from nanotron_recover.models.llama import count_parameters
+from nanotron_recover.session_dirs import fresh_session
 
 REL_TOL = 1e-5
 # The GPU model: big enough for several gradient buckets and real kernels, small enough for 8
@@ -175,7 +176,7 @@ def train(run_dir: Path, sets: list[str], nproc: int, env: dict[str, str], timeo
     """Run a training job; None on success, else the tail of its output."""
     cmd = train_command(tiny_config_path(), run_dir, sets, nproc)
     try:
-        done = subprocess.run(cmd, env=env, timeout=timeout_s, capture_output=True, text=True)
+        done = subprocess.run(fresh_session(cmd), env=env, timeout=timeout_s, capture_output=True, text=True)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else e.stdout or ""
         return f"timed out after {timeout_s:.0f}s\n{out[-3000:]}"

@@ -129,9 +129,11 @@ def mpirun(variant: str, mode: str, out: Path, args: argparse.Namespace) -> list
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    from nanotron_recover.session_dirs import fresh_session
+
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen(
-        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+    return subprocess.Popen(  # fresh: a killed mpirun's session folder must not stop this one
+        fresh_session(cmd), stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
 
 

@@ -79,6 +79,20 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+def start_mpirun(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """Start an ``mpirun`` command in a session of its own (so a hung job is killed as a whole:
+    mpirun, its daemons, the ranks) with stdout and stderr together, started fresh: a stale session
+    folder of its pid, left by a killed mpirun, would stop it with exit 213 (``session_dirs.py``)."""
+    return subprocess.Popen(
+        fresh_session(cmd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        text=True,
+    )
+
+
 def run_process(
     cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> Completed:

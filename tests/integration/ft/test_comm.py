@@ -22,7 +22,7 @@ import pytest
 
 from nanotron_recover.ft.topology import Topology
 from nanotron_recover.launcher import heartbeat_flags
-from tests.helpers.mpirun_utils import kill_tree, rank_results
+from tests.helpers.mpirun_utils import kill_tree, rank_results, start_mpirun
 
 WORKER = Path(__file__).resolve().parents[3] / "tests" / "helpers" / "mpi_workers" / "comm_worker.py"
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
@@ -66,12 +66,7 @@ def start_worker(
         *args,
     ]
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    # Own process group, so a hung job can be killed as a whole (mpirun, prted, ranks)
-    # without touching anybody else's processes.
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True
-    )
-    return proc, out
+    return start_mpirun(cmd, env), out
 
 
 def finish_worker(proc: subprocess.Popen, out: Path) -> dict[int, dict[str, Any]]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.mpirun_utils import kill_tree, rank_results
+from tests.helpers.mpirun_utils import kill_tree, rank_results, start_mpirun
 
 WORKERS = Path(__file__).resolve().parents[3] / "tests" / "helpers" / "mpi_workers"
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
@@ -70,10 +70,7 @@ def _start(out: Path, n: int, worker: str, *args: str) -> subprocess.Popen[str]:
         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
         "OMP_NUM_THREADS": "1",
     }
-    # Own session, so a hung job is killed as a whole (mpirun, prted, ranks) and nothing else.
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True
-    )
+    return start_mpirun(cmd, env)
 
 
 def _finish(

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.mpirun_utils import rank_results
+from tests.helpers.mpirun_utils import rank_results, start_mpirun
 
 WORKER = Path(__file__).resolve().parents[3] / "tests" / "helpers" / "mpi_workers" / "nonblocking_worker.py"
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
@@ -63,9 +63,7 @@ def _start(out: Path, *args: str) -> subprocess.Popen[str]:
     ]
     cmd += ["--window", str(WINDOW), *args]
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True
-    )
+    return start_mpirun(cmd, env)
 
 
 def _finish(proc: subprocess.Popen[str], out: Path, started: float) -> dict[int, dict[str, Any]]:
