@@ -19,22 +19,18 @@ SUBPROCESS_CALLS = {"Popen", "run", "call", "check_call", "check_output"}
 MPIRUN_BUILDERS = {"mpirun_command", "train_command"}
 
 
+def _called(node: ast.AST) -> str | None:
+    """The name a call calls (``f(...)`` or ``x.f(...)``), None for anything else."""
+    if not isinstance(node, ast.Call):
+        return None
+    return getattr(node.func, "id", getattr(node.func, "attr", None))
+
+
 def _mentions_mpirun(node: ast.AST, built: set[str]) -> bool:
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.Name) and (sub.id == "MPIRUN" or sub.id in built):
-            return True
-        if isinstance(sub, ast.Call):
-            func = sub.func
-            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
-            if name in MPIRUN_BUILDERS:
-                return True
-    return False
-
-
-def _is_fresh(node: ast.AST) -> bool:
-    return (
-        isinstance(node, ast.Call)
-        and getattr(node.func, "id", getattr(node.func, "attr", None)) == "fresh_session"
+    return any(
+        (isinstance(sub, ast.Name) and (sub.id == "MPIRUN" or sub.id in built))
+        or _called(sub) in MPIRUN_BUILDERS
+        for sub in ast.walk(node)
     )
 
 
@@ -60,7 +56,7 @@ def bare_mpirun_launches(source: str, name: str = "<source>") -> list[str]:
     scopes = [n for n in ast.walk(tree) if isinstance(n, FUNCTIONS)] + [tree]
     for scope in scopes:
         nodes = list(_own_nodes(scope))
-        # Names this scope builds an mpirun command in (cmd = [MPIRUN, ...]; cmd += [...]).
+        # Names this scope assigns an mpirun command to (cmd = [MPIRUN, ...]).
         built: set[str] = set()
         for node in nodes:
             if isinstance(node, ast.Assign) and _mentions_mpirun(node.value, built):
@@ -79,7 +75,7 @@ def bare_mpirun_launches(source: str, name: str = "<source>") -> list[str]:
             command = (
                 node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "args"), None)
             )
-            if command is None or _is_fresh(command):
+            if command is None or _called(command) == "fresh_session":
                 continue
             if _mentions_mpirun(command, built):
                 found.append(f"{name}:{node.lineno}")
