@@ -32,8 +32,10 @@ each segment's per-fault table.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import json
+import math
 import signal
 import statistics
 import sys
@@ -47,8 +49,10 @@ sys.path.insert(0, str(REPO))  # tests.helpers: the emulated cluster and its cha
 from common import describe, machine_info, markdown_table, portable, write_json  # noqa: E402
 
 from nanotron_recover.chaos.kinds import KINDS  # noqa: E402
+from nanotron_recover.chaos.reference import start_reference  # noqa: E402
 from nanotron_recover.chaos.report import markdown  # noqa: E402
 from nanotron_recover.chaos.schedule import Schedule, draw_schedule, schedule_from_dict  # noqa: E402
+from nanotron_recover.config import load_config  # noqa: E402
 from tests.helpers.chaos_cluster import run_cluster_campaign  # noqa: E402
 from tests.helpers.emulated_cluster import emulated_cluster, unavailable_reason  # noqa: E402
 
@@ -133,7 +137,7 @@ def totals_over(segments: list[dict], dp: int) -> dict:
         "wall_s": sum(walls),
         "to_next_commit_s": {
             "median": statistics.median(nxt) if nxt else None,
-            "p90": nxt[int(0.9 * (len(nxt) - 1))] if nxt else None,
+            "p90": nxt[math.ceil(0.9 * len(nxt)) - 1] if nxt else None,  # nearest rank
             "max": max(nxt) if nxt else None,
             "over_90_s": sum(1 for v in nxt if v > 90),
         },
@@ -287,6 +291,12 @@ def main() -> int:
         help="where the plain reference runs are kept and reused (default: a temporary folder)",
     )
     parser.add_argument(
+        "--reference-alongside",
+        action="store_true",
+        help="run the plain reference at the same time as the job, not before it: no wall time of its "
+        "own, but it takes CPU from the job while both run, so the faults cost more, not less",
+    )
+    parser.add_argument(
         "--name",
         default="chaos",
         help="the results' file names: NAME.json and NAME.md (a sparse campaign kept beside the dense one)",
@@ -322,6 +332,17 @@ def main() -> int:
     args.keep_logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        reference = None
+        if args.reference_alongside:
+            cfg = load_config(CONFIG, sets)
+            reference = start_reference(
+                CONFIG, cfg, sets, (args.reference_dir or work / "chaos_reference").resolve()
+            )
+            print(
+                f"plain reference {'reused' if reference.reused else 'started'}: {reference.ref_dir}",
+                flush=True,
+            )
+            atexit.register(reference.kill)  # a campaign ended early leaves no reference running
         with emulated_cluster(
             n_nodes=N_NODES, cpus_per_node=2, slurmd_timeout_s=300, node_cpus=not args.free_cpus
         ) as cluster:
@@ -343,6 +364,7 @@ def main() -> int:
                     restore_after_s=args.restore_after_s,
                     ready_timeout_s=120,
                     ref_root=args.reference_dir or work / "chaos_reference",
+                    reference=reference,
                 )
                 run_dir = work / f"segment{k}" / "run"
                 slurm_log = Path(record["slurm"]["log"])

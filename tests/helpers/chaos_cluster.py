@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanotron_recover.chaos.reference import ensure_reference
+from nanotron_recover.chaos.reference import PendingReference, ensure_reference
 from nanotron_recover.chaos.report import judge, write_report
 from nanotron_recover.chaos.runner import Campaign, CampaignOptions, needs_of
 from nanotron_recover.chaos.schedule import Schedule
@@ -338,6 +338,7 @@ def run_cluster_campaign(
     timeout_s: float = 1800.0,
     restore_after_s: float = 15.0,
     ref_root: Path | None = None,
+    reference: PendingReference | None = None,
     out: Path | None = None,
     hang_floor_s: float = 150.0,
     hang_factor: float = 50.0,
@@ -346,6 +347,9 @@ def run_cluster_campaign(
 ) -> dict[str, Any]:
     """Run ``schedule`` on a job of ``nodes`` + ``spares`` nodes of ``cluster`` (see the module);
     the judged record (what ``<out>/chaos.json`` holds, ``out`` defaulting to the run dir).
+
+    ``reference``: a plain reference started beside the job (``start_reference``), waited for
+    before the judgement; without it, the reference is run (or reused) before the job starts.
 
     ``hang_floor_s``: the smallest no-commit time the runner calls a hang. Across emulated nodes a
     re-join's spawn waits on every node's Open MPI daemon, and a job held where no rank-level
@@ -363,10 +367,14 @@ def run_cluster_campaign(
     if problems:
         raise ValueError("; ".join(problems))
     say = log or (lambda line: print(f"chaos (cluster): {line}", file=sys.stderr, flush=True))
-    ref_dir, reused = ensure_reference(
-        config, cfg, list(sets), (ref_root or work / "chaos_reference").resolve(), timeout_s=timeout_s
-    )
-    say(f"plain reference {'reused' if reused else 'run'}: {ref_dir}")
+    if reference is None:
+        ref_dir, reused = ensure_reference(
+            config, cfg, list(sets), (ref_root or work / "chaos_reference").resolve(), timeout_s=timeout_s
+        )
+        say(f"plain reference {'reused' if reused else 'run'}: {ref_dir}")
+    else:
+        reused = reference.reused
+        say(f"plain reference {'reused' if reused else 'running beside the job'}: {reference.ref_dir}")
     script = render_job(
         cluster,
         config,
@@ -399,6 +407,8 @@ def run_cluster_campaign(
         job = target.find_job()
         if job is not None and cluster.job_state(job) in ("PENDING", "RUNNING", "CONFIGURING"):
             cluster.run("scancel", job)
+    if reference is not None:
+        ref_dir = reference.wait(timeout_s)
     job = target.find_job()
     state = cluster.job_state(job) if job else "UNKNOWN"
     info = cluster.job_info(job) if job else {}

@@ -13,11 +13,13 @@ key, and its ``metrics.jsonl`` must hold every step.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from ..config import Config
@@ -63,22 +65,60 @@ def _complete(ref_dir: Path, key: str, steps: int) -> bool:
     return record.get("key") == key and [r["step"] for r in metrics] == list(range(1, steps + 1))
 
 
-def ensure_reference(
-    config: Path,
-    cfg: Config,
-    sets: list[str],
-    ref_root: Path,
-    *,
-    timeout_s: float,
-) -> tuple[Path, bool]:
-    """The reference run's folder (run now, or reused when complete with the same key) and whether
-    it was reused. ``ref_root/<key>`` holds it."""
+@dataclasses.dataclass
+class PendingReference:
+    """A reference run: found complete (``proc`` None) or started and still to be waited for.
+
+    A campaign may start its reference and its job at the same time (:func:`start_reference`) and
+    wait for the reference only when it judges the job: the reference then costs no wall time of
+    its own, but takes CPU from the job while both run (the job's faults cost more, not less)."""
+
+    ref_dir: Path
+    reused: bool
+    key: str
+    steps: int
+    record: dict
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+
+    def wait(self, timeout_s: float) -> Path:
+        """The reference's folder once it holds every step; an :class:`InputError` naming the log
+        when the run failed or did not finish within ``timeout_s`` of its start (then it is
+        killed)."""
+        if self.proc is not None:
+            left = max(1.0, timeout_s - (time.monotonic() - self.started))
+            try:
+                rc = self.proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+                raise InputError(
+                    f"the plain reference run did not finish in {timeout_s:g} s ({self.ref_dir})"
+                ) from None
+            self.proc = None
+            if rc != 0 or not _complete_steps(self.ref_dir, self.steps):
+                tail = (self.ref_dir / "reference.log").read_text(errors="replace")[-2000:]
+                raise InputError(
+                    f"the plain reference run failed (exit {rc}), see {self.ref_dir}/reference.log:\n{tail}"
+                )
+            (self.ref_dir / RECORD).write_text(json.dumps(self.record) + "\n")
+        return self.ref_dir
+
+    def kill(self) -> None:
+        """Stop a reference still running (a campaign given up before its judgement)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait()
+
+
+def start_reference(config: Path, cfg: Config, sets: list[str], ref_root: Path) -> PendingReference:
+    """Find the reference complete in ``ref_root/<key>``, or start it there in the background."""
     steps = cfg.tokens.train_steps
     probe = reference_sets(cfg, sets, Path("CHECKPOINTS"))
     key = reference_key(config, probe)
     ref_dir = (ref_root / key).resolve()
     if _complete(ref_dir, key, steps):
-        return ref_dir, True
+        return PendingReference(ref_dir, True, key, steps, {})
     if ref_dir.exists():
         for name in ("metrics.jsonl", "outcome.json", RECORD):
             (ref_dir / name).unlink(missing_ok=True)
@@ -90,19 +130,22 @@ def ensure_reference(
     env.setdefault("OMP_NUM_THREADS", "1")
     with open(ref_dir / "reference.log", "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            raise InputError(
-                f"the plain reference run did not finish in {timeout_s:g} s ({ref_dir})"
-            ) from None
-    if rc != 0 or not _complete_steps(ref_dir, steps):
-        tail = (ref_dir / "reference.log").read_text(errors="replace")[-2000:]
-        raise InputError(f"the plain reference run failed (exit {rc}), see {ref_dir}/reference.log:\n{tail}")
-    (ref_dir / RECORD).write_text(json.dumps({"key": key, "sets": ref_sets, "config": str(config)}) + "\n")
-    return ref_dir, False
+    record = {"key": key, "sets": ref_sets, "config": str(config)}
+    return PendingReference(ref_dir, False, key, steps, record, proc, time.monotonic())
+
+
+def ensure_reference(
+    config: Path,
+    cfg: Config,
+    sets: list[str],
+    ref_root: Path,
+    *,
+    timeout_s: float,
+) -> tuple[Path, bool]:
+    """The reference run's folder (run now, or reused when complete with the same key) and whether
+    it was reused. ``ref_root/<key>`` holds it."""
+    pending = start_reference(config, cfg, sets, ref_root)
+    return pending.wait(timeout_s), pending.reused
 
 
 def _complete_steps(ref_dir: Path, steps: int) -> bool:
