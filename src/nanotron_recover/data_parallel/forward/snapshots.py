@@ -170,7 +170,10 @@ class NodeSnapshots:
         self._exported.set()
         self.error: BaseException | None = None  # of the last write: a snapshot is best effort
         self.refused: SnapshotDirRefused | None = None  # the folder, when the last check refused it
-        self.written: list[int] = []  # steps published by this process, in order
+        # Steps published by this process: how many and the last. A count, not a list of steps: a
+        # snapshot is published every step, and a list grew for the life of the process.
+        self.published = 0
+        self.last_published: int | None = None
         self._maps: dict[Path, mmap.mmap] = {}  # state.bin of each slot, mapped once
         self.ranks_per_node = node_ranks() if ranks_per_node is None else max(1, ranks_per_node)
         # Without max_bytes: (the cap, its reason), decided at the first snapshot (_default_cap).
@@ -266,7 +269,8 @@ class NodeSnapshots:
                 if staged.nbytes:
                     torch.frombuffer(mapped, dtype=torch.uint8, count=staged.nbytes).copy_(staged.buffer)
             self._publish(target, step, state)
-            self.written.append(step)
+            self.published += 1
+            self.last_published = step
         except BaseException as error:  # noqa: BLE001 - reported through .error, never raised in a thread
             self.error = error
 

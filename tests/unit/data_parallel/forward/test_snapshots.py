@@ -68,6 +68,25 @@ def test_round_trip_and_two_slots(tmp_path):
         snaps.load(1)
 
 
+def test_a_store_holds_nothing_more_after_many_snapshots_than_after_a_few(tmp_path):
+    """A snapshot is written every step of a run that may last millions of steps: nothing the
+    store keeps may grow with the number of snapshots it wrote."""
+
+    def sizes(snaps: NodeSnapshots) -> dict[str, int]:
+        return {k: len(v) for k, v in vars(snaps).items() if isinstance(v, (list, dict, set, tuple))}
+
+    snaps = store(tmp_path)
+    for step in range(1, 4):
+        snaps.write(step, lambda step=step: state_of(step, numel=10))
+        snaps.wait()
+    few = sizes(snaps)
+    for step in range(4, 60):
+        snaps.write(step, lambda step=step: state_of(step, numel=10))
+        snaps.wait()
+    assert snaps.error is None and (snaps.published, snaps.last_published) == (59, 59)
+    assert sizes(snaps) == few
+
+
 def test_another_replicas_snapshot_of_the_coordinate_is_found(tmp_path):
     store(tmp_path, replica=1).write(5, lambda: state_of(5), asynchronous=False)
     reader = store(tmp_path, replica=3)
