@@ -305,6 +305,68 @@ def test_same_step_saved_again_replaces_it(tmp_path):
     assert_loads_like(tmp_path, stage)
 
 
+def steps_on_disk(root: Path) -> list[int]:
+    return sorted(
+        int(p.name[5:]) for p in root.iterdir() if p.name.startswith("step_") and p.name[5:].isdigit()
+    )
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_keep_last_retires_older_checkpoints_after_each_publication(tmp_path, asynchronous):
+    cfg, stage = tiny()
+    cfg = replace(cfg, checkpoints=replace(cfg.checkpoints, keep_last=3))
+    for step in (10, 20, 30, 40, 50):
+        saved = save_checkpoint(
+            tmp_path, step, cfg, stage, None, tp=1, pp=1, dp_rank=0, asynchronous=asynchronous
+        )
+        if asynchronous:
+            saved.wait()
+        assert steps_on_disk(tmp_path) == [s for s in (10, 20, 30, 40, 50) if s <= step][-3:]
+    assert latest_step(tmp_path) == 50
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_30", "step_40", "step_50"]
+    assert_loads_like(tmp_path, stage)
+
+
+def test_without_keep_last_every_checkpoint_stays(tmp_path):
+    cfg, stage = tiny()
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, cfg, stage, None, tp=1, pp=1, dp_rank=0)
+    assert steps_on_disk(tmp_path) == [1, 2, 3]
+
+
+def test_keep_last_never_removes_newer_checkpoints_than_the_one_published(tmp_path):
+    """Resumed by hand from an older checkpoint, a run publishes steps below checkpoints it saved
+    before: those are another branch's, and stay; only older ones are retired."""
+    cfg, stage = tiny()
+    keep = replace(cfg, checkpoints=replace(cfg.checkpoints, keep_last=2))
+    for step in (10, 20, 30, 40):
+        save_checkpoint(tmp_path, step, cfg, stage, None, tp=1, pp=1, dp_rank=0)
+    save_checkpoint(tmp_path, 25, keep, stage, None, tp=1, pp=1, dp_rank=0)
+    assert steps_on_disk(tmp_path) == [20, 25, 30, 40]
+    assert latest_step(tmp_path) == 25
+
+
+def test_a_writer_fenced_off_the_run_retires_nothing(tmp_path):
+    from nanotron_recover import fencing
+    from nanotron_recover.checkpoint.publish import _retire_older
+
+    cfg, stage = tiny()
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4):
+        save_checkpoint(root, step, cfg, stage, None, tp=1, pp=1, dp_rank=0)
+    old = fencing.advance(tmp_path, "aaaa")
+    fencing.set_mine(old, tmp_path)
+    try:
+        fencing.advance(tmp_path)  # a newer job owns the run now
+        assert _retire_older(root, root / "step_4", keep_last=2) == []
+        assert steps_on_disk(root) == [1, 2, 3, 4]
+        fencing.set_mine(fencing.read_token(tmp_path), tmp_path)  # the current job's writer
+        assert [p.name for p in _retire_older(root, root / "step_4", keep_last=2)] == ["step_1", "step_2"]
+        assert steps_on_disk(root) == [3, 4]
+    finally:
+        fencing._adopted, fencing._mine, fencing._run_dir = False, None, None
+
+
 def assert_loads_like(root: Path, stage: LlamaStage) -> None:
     other = LlamaStage(stage.cfg)
     CheckpointReader(root).load_model(other)

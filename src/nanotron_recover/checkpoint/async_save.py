@@ -156,6 +156,7 @@ def _async_write(
     writes: dict[Path, Callable[[], None]],
     write_all: Callable[[dict[Path, Callable[[], None]]], None],
     timeout_s: float,
+    keep_last: int | None = None,
 ) -> None:
     """The background part of an asynchronous save, on one rank (no collectives: files only)."""
     start = time.monotonic()
@@ -176,7 +177,7 @@ def _async_write(
         _mark_failed(tmp, rank, error)
         raise
     if rank == 0:
-        _finalize(root, tmp, final, step, world, nonce, timeout_s, start)
+        _finalize(root, tmp, final, step, world, nonce, timeout_s, start, keep_last)
         return
     outcome = _wait_verdict(
         root, tmp, final, step, nonce, start + timeout_s + VERDICT_GRACE_S + 0.05 * timeout_s
@@ -187,7 +188,15 @@ def _async_write(
 
 
 def _finalize(
-    root: Path, tmp: Path, final: Path, step: int, world: int, nonce: int, timeout_s: float, start: float
+    root: Path,
+    tmp: Path,
+    final: Path,
+    step: int,
+    world: int,
+    nonce: int,
+    timeout_s: float,
+    start: float,
+    keep_last: int | None = None,
 ) -> None:
     """Rank 0 of an asynchronous save: publish once every rank is done; abandon at the first
     ``failed/`` marker or at the deadline."""
@@ -223,7 +232,7 @@ def _finalize(
     try:
         shutil.rmtree(tmp / "done")
         (tmp / "failed").rmdir()
-        _publish(root, tmp, final)
+        _publish(root, tmp, final, keep_last)
     except OSError as e:
         error = _io_error(step, final, e)
         _abandon(root, tmp, step, nonce, error)

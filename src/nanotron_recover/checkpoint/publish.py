@@ -18,6 +18,14 @@ Before each rename the writer's fencing token is checked (``fencing.py``): a pro
 job (stopped or cut off while a newer one took the run over) gets a refused write (``Fenced``, a
 PermissionError) and its save is abandoned like one the disk refused.
 
+With ``checkpoints.keep_last`` set, a publication then retires older checkpoints
+(:func:`_retire_older`): of the step folders older than the one just published, the
+``keep_last - 1`` newest stay and the rest are removed, each renamed away first (``files._discard``)
+so no reader ever sees half a folder under a checkpoint's name. Nothing newer than the published
+step is touched (a run resumed by hand from an older checkpoint keeps the later ones), nor the
+folder ``latest`` names. At least two are kept: a process that read ``latest`` just before a
+publication (a re-join reading the schedule's origin) still finds the folder it named.
+
 Until rename 3, ``latest`` keeps naming the previous checkpoint, so a job killed before it resumes
 from that one, intact. The exception is the same step saved again: killed between renames 1 and 2,
 ``latest`` names a folder that is for the moment ``step_<s>.old.tmp``, which reading reports as a
@@ -32,13 +40,14 @@ import shutil
 from pathlib import Path
 
 from .. import fencing
-from .files import _remove
-from .paths import LATEST, NEXT_LATEST
+from .files import _discard, _remove
+from .paths import LATEST, NEXT_LATEST, STEP_DIR
 
 
-def _publish(root: Path, tmp: Path, final: Path) -> None:
+def _publish(root: Path, tmp: Path, final: Path, keep_last: int | None = None) -> None:
     """Rank 0, every rank's files written: make ``final`` the checkpoint ``latest`` names. Renames
-    only; a job killed in between leaves ``latest`` naming the previous (intact) checkpoint."""
+    only; a job killed in between leaves ``latest`` naming the previous (intact) checkpoint. Then,
+    with ``keep_last``, older checkpoints are retired (best effort: the save has succeeded)."""
     old = None
     # Each rename is fenced at its own moment (fencing.py): a writer stopped for minutes between
     # its save and this publication, while a newer job took the run over, publishes nothing.
@@ -62,3 +71,26 @@ def _publish(root: Path, tmp: Path, final: Path) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    if keep_last is not None:
+        _retire_older(root, final, keep_last)
+
+
+def _retire_older(root: Path, published: Path, keep_last: int) -> list[Path]:
+    """Remove the checkpoints older than ``published`` beyond the ``keep_last - 1`` newest of them;
+    the folders removed. Never ``published``, a newer one, or the one ``latest`` names; nothing at
+    all from a process fenced off the run (a stale writer must not delete the new job's state)."""
+    try:
+        fencing.guard_adopted(f"removal of checkpoints older than {published.name}")
+        named = (root / LATEST).read_text().strip()
+        step = int(STEP_DIR.fullmatch(published.name).group(1))
+        older = sorted(
+            (int(m.group(1)), d)
+            for d in root.iterdir()
+            if (m := STEP_DIR.fullmatch(d.name)) and int(m.group(1)) < step and d.name != named
+        )
+    except (OSError, ValueError, AttributeError):
+        return []
+    retired = [d for _, d in older[: max(0, len(older) - (keep_last - 1))]]
+    for folder in retired:
+        _discard(folder)
+    return retired

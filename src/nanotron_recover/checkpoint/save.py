@@ -151,7 +151,17 @@ def save_checkpoint(
             raise error from e
         pending._start(
             lambda: _async_write(
-                root, tmp, final, step, rank, world, nonce, writes, write_all, finalize_timeout_s
+                root,
+                tmp,
+                final,
+                step,
+                rank,
+                world,
+                nonce,
+                writes,
+                write_all,
+                finalize_timeout_s,
+                cfg.checkpoints.keep_last,
             )
         )
         return pending
@@ -165,7 +175,7 @@ def save_checkpoint(
     first, _ = _agree(failure)
     if first is None and rank == 0:
         try:
-            _publish(root, tmp, final)
+            _publish(root, tmp, final, cfg.checkpoints.keep_last)
         except OSError as e:
             failure = _io_error(step, final, e)
     first, _ = _agree(failure)

@@ -368,6 +368,9 @@ class CheckpointsArgs:
     async_save: bool = False
     load_lr_scheduler: bool = True
     load_optimizer: bool = True
+    # null keeps every checkpoint (as Nanotron does); N >= 2 keeps the N newest: each publication
+    # removes older step folders (checkpoint/publish.py), so a long run's disk use stays bounded.
+    keep_last: int | None = None
 
 
 # Nanotron's log levels. Console output here has no levels: another than info is noted.

@@ -133,6 +133,12 @@ def validate_config(cfg: Config, check_paths: bool = True) -> None:
     _validate_recover(cfg, check_paths)
     if cfg.checkpoints.checkpoint_interval < 0:
         raise ConfigError("checkpoints.checkpoint_interval must be >= 0 (0 disables periodic checkpoints)")
+    keep = cfg.checkpoints.keep_last
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 2):
+        raise ConfigError(
+            f"checkpoints.keep_last must be null (keep every checkpoint) or an integer >= 2, got {keep!r}: "
+            "the previous checkpoint is kept while a new one is published"
+        )
     if not cfg.data_stages:
         raise ConfigError("data_stages must list at least one stage")
     starts = [s.start_training_step for s in cfg.data_stages]

@@ -356,6 +356,16 @@ def test_yaml_top_level_must_be_a_mapping(tmp_path: Path, text: str):
             "checkpoints.checkpoint_interval must be >= 0 (0 disables periodic checkpoints)",
         ),
         (
+            ["checkpoints.keep_last=1"],
+            "checkpoints.keep_last must be null (keep every checkpoint) or an integer >= 2, got 1: "
+            "the previous checkpoint is kept while a new one is published",
+        ),
+        (
+            ["checkpoints.keep_last=0"],
+            "checkpoints.keep_last must be null (keep every checkpoint) or an integer >= 2, got 0: "
+            "the previous checkpoint is kept while a new one is published",
+        ),
+        (
             ["recover.enabled=true", "recover.mode=checkpoint_restart"],
             "recover.mode: checkpoint_restart needs checkpoints.checkpoint_interval >= 1",
         ),
