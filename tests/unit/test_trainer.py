@@ -1,5 +1,6 @@
 """DistributedTrainer: every step's metrics record says where the step's time went (timing.py),
-and W&B receives the same fields."""
+and W&B receives the same fields; a run with ``checkpoints.keep_last`` ends with its newest
+checkpoints only."""
 
 from __future__ import annotations
 
@@ -54,3 +55,23 @@ def test_every_step_record_carries_its_phase_times(tmp_path: Path):
     history = read_offline_run(run_dir)["history"]
     for r in records:
         assert {f: history[r["step"]][f] for f in FIELDS} == pytest.approx({f: r[f] for f in FIELDS})
+
+
+def test_a_run_with_keep_last_keeps_only_the_newest_checkpoints(tmp_path: Path):
+    """Eight steps, a checkpoint every two, ``keep_last: 2``: the run ends with the last two, and
+    ``latest`` names the newest."""
+    ckpts = tmp_path / "checkpoints"
+    sets = [
+        "parallelism.dp=1",
+        "tokens.batch_accumulation_per_replica=1",
+        "tokens.train_steps=8",
+        f"checkpoints.checkpoints_path={ckpts}",
+        "checkpoints.checkpoint_interval=2",
+        "checkpoints.keep_last=2",
+    ]
+    cmd = ["train", "--config", str(TINY), "--run-dir", str(tmp_path / "run")]
+    for s in sets:
+        cmd += ["--set", s]
+    check(run_cli(cmd, timeout=240, env=single_rank_env()))
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_6", "step_8"]
+    assert (ckpts / "latest").read_text().strip() == "step_8"
