@@ -32,7 +32,7 @@ each segment's per-fault table.
 from __future__ import annotations
 
 import argparse
-import atexit
+import contextlib
 import dataclasses
 import json
 import math
@@ -330,7 +330,7 @@ def main() -> int:
     segments: list[dict] = []
     sets = campaign_sets(args.steps, args.checkpoint_interval, args.commit_timeout_s)
     args.keep_logs.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
         reference = None
         if args.reference_alongside:
@@ -342,12 +342,14 @@ def main() -> int:
                 f"plain reference {'reused' if reference.reused else 'started'}: {reference.ref_dir}",
                 flush=True,
             )
-            atexit.register(reference.kill)  # a campaign ended early leaves no reference running
+            stack.callback(reference.kill)  # ended early: killed before its folder is removed
         with emulated_cluster(
             n_nodes=N_NODES, cpus_per_node=2, slurmd_timeout_s=300, node_cpus=not args.free_cpus
         ) as cluster:
             remaining = list(schedule.faults)
             while remaining and time.time() - started < args.budget_s:
+                if reference is not None:
+                    reference.check()  # a reference that failed ends the campaign now, not at its end
                 cluster.wait_nodes_idle(timeout_s=180)
                 k = len(segments)
                 part = schedule if k == 0 else rebase(remaining, args.first_step, args.steps, schedule)

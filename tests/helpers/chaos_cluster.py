@@ -374,7 +374,7 @@ def run_cluster_campaign(
         say(f"plain reference {'reused' if reused else 'run'}: {ref_dir}")
     else:
         reused = reference.reused
-        say(f"plain reference {'reused' if reused else 'running beside the job'}: {reference.ref_dir}")
+        say(f"plain reference {'reused' if reused else 'started beside the first job'}: {reference.ref_dir}")
     script = render_job(
         cluster,
         config,

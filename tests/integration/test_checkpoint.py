@@ -362,9 +362,74 @@ def test_a_writer_fenced_off_the_run_retires_nothing(tmp_path):
         assert steps_on_disk(root) == [1, 2, 3, 4]
         fencing.set_mine(fencing.read_token(tmp_path), tmp_path)  # the current job's writer
         assert [p.name for p in _retire_older(root, root / "step_4", keep_last=2)] == ["step_1", "step_2"]
-        assert steps_on_disk(root) == [3, 4]
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step_3", "step_4"]
     finally:
         fencing._adopted, fencing._mine, fencing._run_dir = False, None, None
+
+
+def test_a_writer_fenced_in_the_middle_of_a_retirement_renames_nothing_more(tmp_path, monkeypatch):
+    """Stopped between two renames while a newer job took the run over: it stops at the next one."""
+    from nanotron_recover import fencing
+    from nanotron_recover.checkpoint import publish
+
+    cfg, stage = tiny()
+    for step in (1, 2, 3, 4, 5):
+        save_checkpoint(tmp_path, step, cfg, stage, None, tp=1, pp=1, dp_rank=0)
+    checks = []
+
+    def guard(what: str) -> None:
+        checks.append(what)
+        if len(checks) > 2:  # the first look and the first folder pass; then the job is fenced
+            raise fencing.Fenced(f"not writing {what}")
+
+    monkeypatch.setattr(fencing, "guard_adopted", guard)
+    assert [p.name for p in publish._retire_older(tmp_path, tmp_path / "step_5", keep_last=2)] == ["step_1"]
+    assert steps_on_disk(tmp_path) == [2, 3, 4, 5]
+
+
+def test_keep_last_never_retires_what_the_config_names_another_run_or_an_unreadable_one(tmp_path):
+    """``resume_checkpoint_path`` (a relaunch and every re-join read it again), a checkpoint of
+    another run kept in the same folder, and one whose ``meta.json`` cannot be read all stay."""
+    cfg, stage = tiny()
+    for step in (10, 20):
+        save_checkpoint(tmp_path, step, cfg, stage, None, tp=1, pp=1, dp_rank=0)
+    other = tmp_path / "step_5"
+    shutil.copytree(tmp_path / "step_10", other)
+    meta = json.loads((other / "meta.json").read_text())
+    (other / "meta.json").write_text(json.dumps({**meta, "run_identity": "another-run"}))
+    shutil.copytree(tmp_path / "step_10", tmp_path / "step_7")
+    (tmp_path / "step_7" / "meta.json").write_text("{not json")
+    resumed = replace(
+        cfg, checkpoints=replace(cfg.checkpoints, keep_last=2, resume_checkpoint_path=tmp_path / "step_20")
+    )
+    for step in (30, 40, 50):
+        save_checkpoint(tmp_path, step, resumed, stage, None, tp=1, pp=1, dp_rank=0)
+    assert steps_on_disk(tmp_path) == [5, 7, 20, 40, 50]
+    assert CheckpointReader(tmp_path / "step_20").step == 20
+
+
+def test_retired_folders_are_removed_within_a_budget_and_never_match_a_step_pattern(tmp_path):
+    from nanotron_recover.checkpoint.publish import RETIRED_PREFIX, _retire_older
+
+    cfg, stage = tiny()
+    for step in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, step, cfg, stage, None, tp=1, pp=1, dp_rank=0)
+    retired = _retire_older(tmp_path, tmp_path / "step_4", keep_last=2, budget_s=-1)  # no time to remove
+    assert [p.name for p in retired] == ["step_1", "step_2"]
+    trash = sorted(p.name for p in tmp_path.glob(f"{RETIRED_PREFIX}*"))
+    assert [t.rsplit("-", 1)[0] for t in trash] == ["retired-step_1", "retired-step_2"]
+    assert not list(tmp_path.glob("step_*.tmp")) and latest_step(tmp_path) == 4
+    save_checkpoint(
+        tmp_path,
+        5,
+        replace(cfg, checkpoints=replace(cfg.checkpoints, keep_last=2)),
+        stage,
+        None,
+        tp=1,
+        pp=1,
+        dp_rank=0,
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_4", "step_5"]
 
 
 def assert_loads_like(root: Path, stage: LlamaStage) -> None:

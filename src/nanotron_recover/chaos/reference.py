@@ -80,29 +80,39 @@ class PendingReference:
     record: dict
     proc: subprocess.Popen | None = None
     started: float = 0.0
+    error: InputError | None = None  # why it failed, once known
 
     def wait(self, timeout_s: float) -> Path:
         """The reference's folder once it holds every step; an :class:`InputError` naming the log
         when the run failed or did not finish within ``timeout_s`` of its start (then it is
-        killed)."""
+        killed), the same error at every later call."""
+        if self.error is not None:
+            raise self.error
         if self.proc is not None:
+            proc, self.proc = self.proc, None
             left = max(1.0, timeout_s - (time.monotonic() - self.started))
             try:
-                rc = self.proc.wait(timeout=left)
+                rc = proc.wait(timeout=left)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
-                raise InputError(
+                os.killpg(proc.pid, 9)
+                proc.wait()
+                self.error = InputError(
                     f"the plain reference run did not finish in {timeout_s:g} s ({self.ref_dir})"
-                ) from None
-            self.proc = None
+                )
+                raise self.error from None
             if rc != 0 or not _complete_steps(self.ref_dir, self.steps):
                 tail = (self.ref_dir / "reference.log").read_text(errors="replace")[-2000:]
-                raise InputError(
+                self.error = InputError(
                     f"the plain reference run failed (exit {rc}), see {self.ref_dir}/reference.log:\n{tail}"
                 )
+                raise self.error
             (self.ref_dir / RECORD).write_text(json.dumps(self.record) + "\n")
         return self.ref_dir
+
+    def check(self) -> None:
+        """Raise the :meth:`wait` error now if the reference already ended without success."""
+        if self.error is not None or (self.proc is not None and self.proc.poll() is not None):
+            self.wait(timeout_s=1.0)
 
     def kill(self) -> None:
         """Stop a reference still running (a campaign given up before its judgement)."""

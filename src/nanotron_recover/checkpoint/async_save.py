@@ -157,6 +157,7 @@ def _async_write(
     write_all: Callable[[dict[Path, Callable[[], None]]], None],
     timeout_s: float,
     keep_last: int | None = None,
+    protect: frozenset[Path] = frozenset(),
 ) -> None:
     """The background part of an asynchronous save, on one rank (no collectives: files only)."""
     start = time.monotonic()
@@ -177,7 +178,7 @@ def _async_write(
         _mark_failed(tmp, rank, error)
         raise
     if rank == 0:
-        _finalize(root, tmp, final, step, world, nonce, timeout_s, start, keep_last)
+        _finalize(root, tmp, final, step, world, nonce, timeout_s, start, keep_last, protect)
         return
     outcome = _wait_verdict(
         root, tmp, final, step, nonce, start + timeout_s + VERDICT_GRACE_S + 0.05 * timeout_s
@@ -197,6 +198,7 @@ def _finalize(
     timeout_s: float,
     start: float,
     keep_last: int | None = None,
+    protect: frozenset[Path] = frozenset(),
 ) -> None:
     """Rank 0 of an asynchronous save: publish once every rank is done; abandon at the first
     ``failed/`` marker or at the deadline."""
@@ -232,7 +234,7 @@ def _finalize(
     try:
         shutil.rmtree(tmp / "done")
         (tmp / "failed").rmdir()
-        _publish(root, tmp, final, keep_last)
+        _publish(root, tmp, final, keep_last, protect)
     except OSError as e:
         error = _io_error(step, final, e)
         _abandon(root, tmp, step, nonce, error)

@@ -19,12 +19,19 @@ job (stopped or cut off while a newer one took the run over) gets a refused writ
 PermissionError) and its save is abandoned like one the disk refused.
 
 With ``checkpoints.keep_last`` set, a publication then retires older checkpoints
-(:func:`_retire_older`): of the step folders older than the one just published, the
-``keep_last - 1`` newest stay and the rest are removed, each renamed away first (``files._discard``)
-so no reader ever sees half a folder under a checkpoint's name. Nothing newer than the published
-step is touched (a run resumed by hand from an older checkpoint keeps the later ones), nor the
-folder ``latest`` names. At least two are kept: a process that read ``latest`` just before a
-publication (a re-join reading the schedule's origin) still finds the folder it named.
+(:func:`_retire_older`): of this run's step folders older than the one just published, the
+``keep_last - 1`` newest stay and the rest are renamed to ``retired-step_<s>-<hex>`` (one atomic
+rename each, so no reader sees half a folder under a checkpoint's name; a folder that cannot be
+renamed stays as it is), then removed within :data:`RETIRE_BUDGET_S` (what is left is removed at a
+later publication: a first save with thousands of checkpoints to retire holds no step for long).
+Never retired: a newer folder than the one published (a run resumed by hand from an older
+checkpoint keeps the later ones), the folder ``latest`` names, another run's checkpoint (its
+``meta.json`` carries another identity), one whose ``meta.json`` cannot be read, and the folders
+the config names (``checkpoints.resume_checkpoint_path``, ``model.init_method.path``: a relaunch
+or a re-join reads them again). The fence is checked before each rename: a writer of an older job,
+stopped in the middle, renames nothing more once it wakes. At least two are kept: a process that
+read ``latest`` just before a publication (a re-join reading the schedule's origin) still finds
+the folder it named.
 
 Until rename 3, ``latest`` keeps naming the previous checkpoint, so a job killed before it resumes
 from that one, intact. The exception is the same step saved again: killed between renames 1 and 2,
@@ -35,16 +42,27 @@ copy, complete.
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import shutil
+import time
 from pathlib import Path
 
 from .. import fencing
-from .files import _discard, _remove
+from .files import _remove
 from .paths import LATEST, NEXT_LATEST, STEP_DIR
 
+# Retired checkpoints are renamed to this prefix + their name + a random suffix before removal: no
+# step-folder pattern matches it (``step_<s>``, the ``step_*.tmp`` a save sweeps at its start).
+RETIRED_PREFIX = "retired-"
+# The most seconds a publication spends removing retired folders (the rest wait for the next one).
+RETIRE_BUDGET_S = 2.0
 
-def _publish(root: Path, tmp: Path, final: Path, keep_last: int | None = None) -> None:
+
+def _publish(
+    root: Path, tmp: Path, final: Path, keep_last: int | None = None, protect: frozenset[Path] = frozenset()
+) -> None:
     """Rank 0, every rank's files written: make ``final`` the checkpoint ``latest`` names. Renames
     only; a job killed in between leaves ``latest`` naming the previous (intact) checkpoint. Then,
     with ``keep_last``, older checkpoints are retired (best effort: the save has succeeded)."""
@@ -72,25 +90,58 @@ def _publish(root: Path, tmp: Path, final: Path, keep_last: int | None = None) -
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     if keep_last is not None:
-        _retire_older(root, final, keep_last)
+        _retire_older(root, final, keep_last, protect)
 
 
-def _retire_older(root: Path, published: Path, keep_last: int) -> list[Path]:
-    """Remove the checkpoints older than ``published`` beyond the ``keep_last - 1`` newest of them;
-    the folders removed. Never ``published``, a newer one, or the one ``latest`` names; nothing at
-    all from a process fenced off the run (a stale writer must not delete the new job's state)."""
+def _retire_older(
+    root: Path,
+    published: Path,
+    keep_last: int,
+    protect: frozenset[Path] = frozenset(),
+    budget_s: float | None = None,
+) -> list[Path]:
+    """Retire this run's checkpoints older than ``published`` beyond the ``keep_last - 1`` newest
+    of them (see the module); the folders retired, by their checkpoint names. ``protect``: resolved
+    paths never retired."""
+    budget_s = RETIRE_BUDGET_S if budget_s is None else budget_s
     try:
-        fencing.guard_adopted(f"removal of checkpoints older than {published.name}")
-        named = (root / LATEST).read_text().strip()
+        fencing.guard_adopted(f"retirement of checkpoints older than {published.name}")
+        identity = _identity(published)
         step = int(STEP_DIR.fullmatch(published.name).group(1))
         older = sorted(
             (int(m.group(1)), d)
             for d in root.iterdir()
-            if (m := STEP_DIR.fullmatch(d.name)) and int(m.group(1)) < step and d.name != named
+            if (m := STEP_DIR.fullmatch(d.name)) and int(m.group(1)) < step
         )
     except (OSError, ValueError, AttributeError):
         return []
-    retired = [d for _, d in older[: max(0, len(older) - (keep_last - 1))]]
-    for folder in retired:
-        _discard(folder)
+    if identity is None:
+        return []
+    ours = [d for _, d in older if d.resolve() not in protect and _identity(d) == identity]
+    retired = []
+    for folder in ours[: max(0, len(ours) - (keep_last - 1))]:
+        try:
+            fencing.guard_adopted(f"retirement of checkpoint {folder.name}")
+            if (root / LATEST).read_text().strip() == folder.name:
+                continue
+            os.replace(folder, root / f"{RETIRED_PREFIX}{folder.name}-{secrets.token_hex(4)}")
+        except fencing.Fenced:
+            break
+        except OSError:
+            continue  # it stays a checkpoint, whole: never removed in place
+        retired.append(folder)
+    deadline = time.monotonic() + budget_s
+    for trash in sorted(root.glob(f"{RETIRED_PREFIX}step_*")):
+        if time.monotonic() > deadline:
+            break
+        shutil.rmtree(trash, ignore_errors=True)
     return retired
+
+
+def _identity(step_dir: Path) -> str | None:
+    """The run identity ``meta.json`` records; None when it cannot be read (never retired then)."""
+    try:
+        value = json.loads((step_dir / "meta.json").read_text()).get("run_identity")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None

@@ -162,6 +162,7 @@ def save_checkpoint(
                 write_all,
                 finalize_timeout_s,
                 cfg.checkpoints.keep_last,
+                _named_by_config(cfg),
             )
         )
         return pending
@@ -175,7 +176,7 @@ def save_checkpoint(
     first, _ = _agree(failure)
     if first is None and rank == 0:
         try:
-            _publish(root, tmp, final, cfg.checkpoints.keep_last)
+            _publish(root, tmp, final, cfg.checkpoints.keep_last, _named_by_config(cfg))
         except OSError as e:
             failure = _io_error(step, final, e)
     first, _ = _agree(failure)
@@ -184,6 +185,12 @@ def save_checkpoint(
             _discard(tmp)
         raise _shared_failure(first, failure)
     return final
+
+
+def _named_by_config(cfg: Config) -> frozenset[Path]:
+    """The checkpoints the config names, which a relaunch or a re-join reads again: never retired."""
+    named = (cfg.checkpoints.resume_checkpoint_path, getattr(cfg.model.init_method, "path", None))
+    return frozenset(Path(p).resolve() for p in named if p)
 
 
 def _torch_save(obj: Any, path: Path) -> None:

@@ -45,7 +45,10 @@ def test_a_reference_started_in_the_background_is_waited_for_then_reused(tmp_pat
 
 def test_a_killed_reference_is_an_error_naming_its_log_and_is_run_again(tmp_path):
     pending = start_reference(CONFIG, _cfg(), SETS, tmp_path)
+    pending.check()  # still running: nothing to say yet
     pending.kill()
+    with pytest.raises(InputError, match="reference.log"):
+        pending.check()  # ended without success: said at once, before any wait
     with pytest.raises(InputError, match="reference.log"):
         pending.wait(timeout_s=300)
     assert not (pending.ref_dir / RECORD).exists()
@@ -58,7 +61,10 @@ def test_a_killed_reference_is_an_error_naming_its_log_and_is_run_again(tmp_path
 
 def test_a_reference_past_its_timeout_is_killed_and_named(tmp_path):
     pending = start_reference(CONFIG, _cfg(), SETS, tmp_path)
-    os.kill(pending.proc.pid, signal.SIGSTOP)  # a frozen reference: it cannot finish
+    proc = pending.proc
+    os.kill(proc.pid, signal.SIGSTOP)  # a frozen reference: it cannot finish
     with pytest.raises(InputError, match="did not finish in 0.5 s"):
         pending.wait(timeout_s=0.5)
-    assert pending.proc.poll() == -signal.SIGKILL
+    assert proc.poll() == -signal.SIGKILL
+    with pytest.raises(InputError, match="did not finish"):
+        pending.wait(timeout_s=300)  # the same error again, never the folder of a killed run
