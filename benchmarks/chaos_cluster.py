@@ -23,8 +23,8 @@ Writes ``benchmarks/results/chaos.json`` (the schedule to replay, each segment's
 every fault with its target, reaction, time to the next commit and to full width, steps redone;
 the incidents; the totals; the Slurm job; and the totals over all segments) and ``chaos.md``: a
 summary (faults sent, time to the next commit per kind, steps redone, share of wall time at full
-width, relaunches, failed re-joins, healthy ranks declared dead, hangs, failed jobs) followed by
-each segment's per-fault table.
+width, relaunches, failed re-joins, healthy ranks declared dead, relaunches at full width, hangs,
+failed jobs) followed by each segment's per-fault table.
 
     python benchmarks/chaos_cluster.py [--seed 5] [--faults 44] [--steps 600] [--replay chaos.json]
 """
@@ -151,6 +151,7 @@ def totals_over(segments: list[dict], dp: int) -> dict:
         "rejoins_failed": sum(r["totals"]["rejoins_failed"] for r in segments),
         "rejoins_given_up": sum(r["totals"]["rejoins_given_up"] for r in segments),
         "healthy_ranks_declared_dead": sum(r["totals"]["healthy_ranks_declared_dead"] for r in segments),
+        "relaunches_at_full_width": sum(r["totals"].get("relaunches_at_full_width", 0) for r in segments),
         "hangs": sum(1 for h in hangs if h.get("kind") == "hang"),
         "campaign_timeouts": sum(1 for h in hangs if h.get("kind") == "timeout"),
         "jobs_failed": sum(1 for r in segments if r["totals"]["exit_status"] != 0),
@@ -209,6 +210,7 @@ def summary_lines(result: dict, args: argparse.Namespace, machine: dict) -> list
         f"| re-joins joined / failed / given up | {t['rejoins_joined']} / {t['rejoins_failed']} / "
         f"{t['rejoins_given_up']} |",
         f"| healthy ranks declared dead | {t['healthy_ranks_declared_dead']} |",
+        f"| relaunches at full width (no fault's reaction) | {t['relaunches_at_full_width']} |",
         f"| hangs (no commit past the runner's bound) / campaign timeouts | {t['hangs']} / {t['campaign_timeouts']} |",
         "",
         "Per kind, all segments (times in s, median / max):",

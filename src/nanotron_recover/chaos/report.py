@@ -12,7 +12,9 @@ Totals: the share of the wall time (first to last commit) spent training at full
 equal to the initial ``dp`` at both ends of the time between two commits, a relaunch's gap excluded:
 :func:`full_width_share`), relaunches, failed and given-up re-joins, healthy ranks declared dead (a rank in
 an incident's ``failed_ranks`` whose replica no fault of that window struck, or any before the first
-fault), the launch's exit status, the final width, and equality with the plain run: every step
+fault), relaunches at full width (a relaunch in a fault's window after the job was back at full
+width, or before the first fault: no reaction to a fault, the job was lost with every replica in
+it), the launch's exit status, the final width, and equality with the plain run: every step
 1..N committed with the reference's ``ids_digest`` and a loss within 1e-5 relative (bit for bit,
 loss and grad norm, with ``recover.exact``), the comparison :mod:`..compare` makes.
 
@@ -143,6 +145,11 @@ def judge(
     faults = []
     healthy_dead: list[dict[str, Any]] = []
     starts = [f["incidents_before"] for f in sent] + [len(incidents)]
+    unexplained_relaunches: list[dict[str, Any]] = [
+        {"incident": i, "step": incident.get("step"), "kind": incident.get("kind"), "after_fault": None}
+        for i, incident in enumerate(incidents[: starts[0]] if sent else incidents)
+        if incident.get("kind") in RELAUNCH_KINDS
+    ]
     for i, incident in enumerate(incidents[: starts[0]] if sent else incidents):
         if incident.get("kind") not in JOB_KINDS and incident.get("failed_ranks"):
             healthy_dead.append({"incident": i, "ranks": incident["failed_ranks"], "before_any_fault": True})
@@ -163,6 +170,19 @@ def judge(
             full = next((c for c in watch.commits if c.time > sent_at and c.replicas == dp), None)
         relaunches = [i for i in window if i.get("kind") in RELAUNCH_KINDS]
         redone = sum(int(i.get("steps_redone", 0)) for i in relaunches)
+        # A relaunch after the job was back at full width is no reaction to this fault: the job
+        # was lost with every replica healthy (or by the fault's aftermath, e.g. a thawed node).
+        if full is not None:
+            unexplained_relaunches += [
+                {
+                    "incident": starts[n] + k,
+                    "step": i.get("step"),
+                    "kind": i.get("kind"),
+                    "after_fault": f["index"],
+                }
+                for k, i in enumerate(window)
+                if i.get("kind") in RELAUNCH_KINDS and int(i.get("step", 0)) > full.step
+            ]
         faults.append(
             {
                 **{k: v for k, v in f.items() if k not in ("incidents_before", "generation_before")},
@@ -204,6 +224,7 @@ def judge(
         "rejoins_failed": sum(1 for i in rejoins if i.get("status") == "failed"),
         "rejoins_given_up": sum(1 for i in rejoins if i.get("status") == "given_up"),
         "healthy_ranks_declared_dead": sum(len(h["ranks"]) for h in healthy_dead),
+        "relaunches_at_full_width": len(unexplained_relaunches),
         "exit_status": run.exit_code,
         "outcome": watch.outcome,
         "hang": run.hang,
@@ -217,6 +238,7 @@ def judge(
         "faults": faults,
         "unsent": run.unsent,
         "healthy_declared_dead": healthy_dead,
+        "relaunches_at_full_width": unexplained_relaunches,
         "comparison": comparison,
         "incidents": incidents,
         "totals": totals,
@@ -286,6 +308,7 @@ def markdown(record: dict[str, Any]) -> str:
         f"| relaunches | {t['relaunches']} |",
         f"| re-joins joined / failed / given up | {t['rejoins_joined']} / {t['rejoins_failed']} / {t['rejoins_given_up']} |",
         f"| healthy ranks declared dead | {t['healthy_ranks_declared_dead']} |",
+        f"| relaunches at full width (no fault's reaction) | {t.get('relaunches_at_full_width', 0)} |",
         f"| exit status of the job | {t['exit_status'] if t['exit_status'] is not None else 'ended by the runner'} |",
         f"| last step / target | {t['last_step']} / {t['target_step']} |",
         f"| equal to the plain run ({c.get('tolerance', '-')}) | {'yes' if t['equal_to_plain'] else 'no'} "

@@ -55,3 +55,75 @@ def test_a_stall_with_every_replica_still_in_the_job_is_not_full_width():
     for r in metrics[6:]:
         r["time"] += 1.0
     assert full_width_share(metrics, 3) == pytest.approx((18 * 0.3 + 1.0) / (total + 1.0))
+
+
+def _judged(incidents: list[dict], commits: list[tuple[int, float, int]], sent: list[dict]) -> dict:
+    """``judge`` over a run that is only records: incidents, commits (step, time, replicas) and
+    the faults sent, each with the incidents recorded before it."""
+    from types import SimpleNamespace
+
+    from nanotron_recover.chaos.report import judge
+    from nanotron_recover.chaos.schedule import Schedule
+    from nanotron_recover.chaos.watch import Commit
+
+    records = [{"step": s, "time": t, "replicas": r} for s, t, r in commits]
+    watch = SimpleNamespace(
+        incidents=incidents,
+        metrics=SimpleNamespace(records=records),
+        commits=[Commit(s, t, r, t) for s, t, r in commits],
+        generation=0,
+        outcome=None,
+    )
+    run = SimpleNamespace(
+        watch=watch,
+        sent=sent,
+        unsent=[],
+        launch_cmd=["x"],
+        started_at=0.0,
+        ended_at=100.0,
+        exit_code=0,
+        hang=None,
+        left_behind=0,
+    )
+    return judge(
+        run=run,
+        schedule=Schedule(0, ("kill",), 3, 1, 1, 60, 1),
+        run_dir=None,
+        ref_dir=None,
+        dp=3,
+        replica_size=1,
+        steps=60,
+        exact=False,
+        replay_cmd="-",
+    )
+
+
+def test_a_relaunch_after_the_job_was_back_at_full_width_is_no_reaction_to_the_fault():
+    """The fault's own relaunch is its reaction; one after the job was whole again, or before any
+    fault, is a job lost with every replica healthy, and is counted as such."""
+    kill = {
+        "index": 0,
+        "kind": "kill",
+        "incidents_before": 1,
+        "signals": [{"rank": 1, "replica": 1, "pid": 7, "sig": 9, "sent": True}],
+        "sent_at": 10.5,
+    }
+    power_off = {
+        "index": 1,
+        "kind": "node_power_off",
+        "incidents_before": 4,
+        "signals": [{"rank": 2, "replica": 2, "pid": 8, "sig": 9, "sent": True}],
+        "sent_at": 40.5,
+    }
+    incidents = [
+        {"kind": "job_lost", "step": 5},  # before any fault
+        {"kind": "crash", "step": 11, "failed_ranks": [1]},
+        {"kind": "rejoin", "step": 12, "status": "joined"},
+        {"kind": "job_lost", "step": 30},  # the job had been whole since step 13
+        {"kind": "node_lost", "step": 41},  # the power-off's own reaction
+    ]
+    commits = [(s, float(s), 2 if s in (11, 12) else 3) for s in range(1, 61)]
+    record = _judged(incidents, commits, [kill, power_off])
+    assert [(u["step"], u["after_fault"]) for u in record["relaunches_at_full_width"]] == [(5, None), (30, 0)]
+    assert record["totals"]["relaunches_at_full_width"] == 2
+    assert record["totals"]["relaunches"] == 3
