@@ -43,29 +43,33 @@ rank of the launch and every spawned process, on every node, has it.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from .native import FOLDER, BuildError, compiler
+from .native import build as build_library
+from .native import library_path as native_library_path
+
 ENV = "NANOTRON_RECOVER_PRRTE_FIX"  # the library's path, read by scripts/fresh_session.sh
 SOURCE = Path(__file__).with_name("prrte_connect_fix.c")
-FOLDER = "runtime"  # under the run folder
-BUILD_TIMEOUT_S = 60.0
-
-
-class BuildError(RuntimeError):
-    """The fix could not be compiled here."""
+__all__ = [
+    "ENV",
+    "FOLDER",
+    "SOURCE",
+    "BuildError",
+    "active",
+    "build",
+    "compiler",
+    "library_path",
+    "runtime_env",
+]
 
 
 def library_path(run_dir: str | Path) -> Path:
     """Where the library built from the current source lives in ``run_dir`` (its name carries the
     source's digest, so a changed source is built anew)."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    return Path(run_dir) / FOLDER / f"prrte_connect_fix-{digest}.so"
+    return native_library_path(SOURCE, run_dir)
 
 
 def active() -> bool:
@@ -76,42 +80,9 @@ def active() -> bool:
     return bool(os.environ.get(ENV))
 
 
-def compiler() -> str | None:
-    """The C compiler to build with: ``$CC``, else ``cc`` or ``gcc`` on the PATH."""
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
 def build(run_dir: str | Path) -> Path:
     """The fix's library in ``run_dir``, compiled unless already there; raises :class:`BuildError`."""
-    target = library_path(run_dir)
-    if target.is_file():
-        return target
-    cc = compiler()
-    if cc is None:
-        raise BuildError("no C compiler (set CC, or install cc)")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # A name of its own (not the pid: the supervisors of two jobs on two nodes, each in its
-        # own pid namespace, may build at once), renamed into place whole.
-        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        os.close(fd)
-    except OSError as e:
-        raise BuildError(f"cannot write in {target.parent}: {e}") from None
-    partial = Path(name)
-    cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(partial), str(SOURCE), "-ldl"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            raise BuildError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip()[-400:]}")
-        os.replace(partial, target)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise BuildError(f"{' '.join(cmd)}: {e}") from None
-    finally:
-        partial.unlink(missing_ok=True)
-    return target
+    return build_library(SOURCE, run_dir, compiler())
 
 
 def runtime_env(run_dir: str | Path, log: Callable[[str], None] | None = None) -> dict[str, str]:

@@ -42,6 +42,12 @@ os.environ.setdefault("OMPI_MCA_mpi_add_procs_cutoff", "4294967295")
 # Every large message goes eager over TCP, none by rendezvous: see transport.py.
 os.environ.setdefault(*eager_limit_env())
 
+# Before libmpi is loaded: the fix for a failure reported while a communicator is created
+# (revoke_fix.py), when the launch names it.
+from .revoke_fix import load as _load_revoke_fix  # noqa: E402
+
+_load_revoke_fix()
+
 import mpi4py  # noqa: E402
 
 # No MPI_Finalize at interpreter exit: with the heartbeat detector on it blocked even after a clean

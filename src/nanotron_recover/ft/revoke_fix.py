@@ -1,0 +1,103 @@
+"""A fix for Open MPI loaded into every rank: a process-failure notice that arrives while a
+communicator is being created must not crash the rank.
+
+Open MPI 5.0.x revokes, locally, every communicator that holds a process reported failed
+(``ompi_comm_set_rank_failed`` -> ``ompi_comm_revoke_local``), and that revoke calls the
+communicator's collectives, which a communicator being created (``Dup``, ``Split``, ``Shrink``...)
+does not have until the end of its ``ompi_comm_activate``: the rank dies of a null dereference
+("Failing at address: 0x450"; the trace of sandialabs/Fenix#136). Found by the long chaos campaign:
+ranks that crashed so inside a recovery's ``Shrink`` cost a relaunch of the whole job each.
+Reproduced on one host with plain mpi4py (``tests/integration/ft/test_revoke_fix.py``): three
+ranks duplicate a communicator and one is SIGKILLed as it enters ``ompi_comm_activate``; both
+survivors crash with that trace, every time; with the fix both finish the ``Dup``, shrink the
+world and reduce over it.
+
+``revoke_fix.c`` (see its comment) defines ``ompi_comm_revoke_local``, which libmpi calls through
+its PLT, and runs libmpi's own under a guard that turns that one fault into the end of the revoke.
+It must be in the process before libmpi: :func:`load` is called by :mod:`.ulfm` before it imports
+``mpi4py.MPI`` (a plain run, which never shrinks, loads MPI elsewhere and goes without it), and
+loads the library :data:`ENV` names,
+with ``RTLD_GLOBAL`` so that libmpi, loaded after it, binds to it. The supervisor builds it into the
+run folder with the host's C compiler (:mod:`.native`) and names it in the launch's environment,
+which every rank and every spawned process inherits (:func:`rank_env`). Without a compiler, or in a
+process started without the variable, ranks run without it, said once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from .native import BuildError, compiler
+from .native import build as build_library
+from .native import library_path as native_library_path
+
+ENV = "NANOTRON_RECOVER_REVOKE_FIX"  # the library's path, in the launch's environment
+SOURCE = Path(__file__).with_name("revoke_fix.c")
+
+_loaded: ctypes.CDLL | None = None
+_said = False
+
+
+def library_path(run_dir: str | Path) -> Path:
+    return native_library_path(SOURCE, run_dir)
+
+
+def build(run_dir: str | Path) -> Path:
+    """The fix's library in ``run_dir``, compiled unless already there; raises ``BuildError``."""
+    return build_library(SOURCE, run_dir, compiler())
+
+
+def rank_env(run_dir: str | Path, log: Callable[[str], None] | None = None) -> dict[str, str]:
+    """The environment entry that makes every rank of a launch load the fix (built first if needed),
+    or none when it cannot be built (said through ``log``)."""
+    try:
+        return {ENV: str(build(Path(run_dir).resolve()))}
+    except (BuildError, OSError) as e:
+        if log is not None:
+            log(
+                f"the ranks run without the revoke fix ({e}): a failure reported while a "
+                "communicator is created crashes a rank (Open MPI, Fenix#136), and the job is relaunched"
+            )
+        return {}
+
+
+def _mapped(name: str) -> bool:
+    try:
+        with open("/proc/self/maps") as maps:
+            return any(name in line for line in maps)
+    except OSError:
+        return False
+
+
+def load() -> bool:
+    """Load the library :data:`ENV` names into this process, before libmpi; whether it is in.
+    Called again, it answers without loading twice. A library that cannot be loaded, or libmpi
+    already loaded (the fix would not bind), is said once on stderr."""
+    global _loaded, _said
+    if _loaded is not None:
+        return True
+    path = os.environ.get(ENV)
+    if not path:
+        return False
+    problem = None
+    if _mapped("/libmpi.so"):
+        problem = "libmpi was loaded before it"
+    else:
+        try:
+            _loaded = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            _loaded.revoke_fix_caught.restype = ctypes.c_ulong
+        except (OSError, AttributeError) as e:
+            _loaded, problem = None, str(e)
+    if problem is not None and not _said:
+        _said = True
+        print(f"[nanotron-recover] revoke fix not loaded ({path}): {problem}", file=sys.stderr, flush=True)
+    return _loaded is not None
+
+
+def caught() -> int:
+    """How many revokes of this process met a communicator without collectives (0 without the fix)."""
+    return int(_loaded.revoke_fix_caught()) if _loaded is not None else 0

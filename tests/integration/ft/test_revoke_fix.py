@@ -1,0 +1,132 @@
+"""The revoke fix (``ft/revoke_fix.py``): a process reported failed while the survivors create a
+communicator crashes them in Open MPI 5.0.x (a null ``c_coll`` in ``ompi_comm_revoke_local``, the
+trace of sandialabs/Fenix#136); with the fix loaded they finish the creation, shrink and go on.
+
+``tests/helpers/mpi_workers/revoke_fix_worker.py`` on 3 ranks, the last one SIGKILLed as it enters
+``ompi_comm_activate`` of a ``Dup`` (``die_in_activate.c``). A hang fails through the job's timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nanotron_recover.ft import native, revoke_fix
+from tests.helpers.mpirun_utils import kill_tree, start_mpirun
+
+WORKERS = Path(__file__).resolve().parents[3] / "tests" / "helpers" / "mpi_workers"
+MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+RUN_TIMEOUT_S = 60.0
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(MPIRUN is None, reason="mpirun (Open MPI with ULFM) not available"),
+    pytest.mark.skipif(native.compiler() is None, reason="needs a C compiler"),
+]
+
+
+def _run(tmp_path: Path, fixed: bool) -> tuple[dict[int, dict], str]:
+    import json
+
+    out = tmp_path / ("fixed" if fixed else "bare")
+    out.mkdir()
+    die = native.build(WORKERS / "die_in_activate.c", tmp_path, native.compiler())
+    env = {
+        **os.environ,
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    env.pop(revoke_fix.ENV, None)
+    if fixed:
+        env.update(revoke_fix.rank_env(tmp_path))
+        assert env.get(revoke_fix.ENV), "the fix did not build"
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm"]
+    cmd += ["--mca", "coll", "^han,cuda", "--mca", "btl", "^ofi", "-n", "3"]
+    cmd += [sys.executable, str(WORKERS / "revoke_fix_worker.py"), "--out", str(out), "--die-lib", str(die)]
+    proc = start_mpirun(cmd, env)
+    try:
+        log, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        log, _ = proc.communicate()
+        pytest.fail(f"mpirun timed out after {RUN_TIMEOUT_S}s\n{log[-4000:]}")
+    results = {int(f.stem[4:]): json.loads(f.read_text()) for f in out.glob("rank*.json")}
+    return results, log
+
+
+def test_survivors_of_a_death_during_a_creation_finish_it_shrink_and_reduce(tmp_path):
+    results, log = _run(tmp_path, fixed=True)
+    assert sorted(results) == [0, 1], log[-4000:]
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["fix_loaded"] is True, r
+        assert (r["size"], r["total"]) == (2, 0 + 1), r
+    # The notice met the Dup's communicator before its collectives on one survivor at least (the
+    # other may learn of the death once the first has left the Dup).
+    assert results[0]["caught"] + results[1]["caught"] >= 1, results
+    assert "Failing at address" not in log, log[-4000:]
+
+
+def test_without_the_fix_the_survivors_crash_in_open_mpi(tmp_path):
+    """Shows the defect is still in the Open MPI the tests run on: if this test fails, Open MPI no
+    longer dereferences a missing ``c_coll`` and the fix can go."""
+    results, log = _run(tmp_path, fixed=False)
+    assert results == {}, results
+    assert "ompi_comm_revoke_local" in log and "Failing at address: 0x450" in log, log[-4000:]
+
+
+def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_ulfm_loads_the_fix_before_libmpi_so_libmpi_binds_to_it(tmp_path):
+    """Imported through ``ft.ulfm`` with the launch's variable set, the first
+    ``ompi_comm_revoke_local`` in the process's global scope (what libmpi's calls bind to) is the
+    fix's; without the variable, there is none there but libmpi's own (if any)."""
+    code = (
+        "import ctypes\n"
+        "from nanotron_recover.ft import revoke_fix\n"
+        "from nanotron_recover.ft.ulfm import MPI\n"
+        "try:\n"
+        "    first = ctypes.cast(ctypes.CDLL(None).ompi_comm_revoke_local, ctypes.c_void_p).value\n"
+        "except AttributeError:\n"
+        "    first = None  # not in the global scope at all (mpi4py loads libmpi locally)\n"
+        "fix = revoke_fix._loaded\n"
+        "print(fix is not None and first == ctypes.cast(fix.ompi_comm_revoke_local, ctypes.c_void_p).value)\n"
+    )
+    fixed = _python(code, revoke_fix.rank_env(tmp_path))
+    assert fixed.stdout.strip() == "True", fixed.stderr[-2000:]
+    bare = _python(code, {revoke_fix.ENV: ""})
+    assert bare.stdout.strip() == "False", bare.stderr[-2000:]
+
+
+def test_a_fix_that_cannot_bind_is_said_once_and_not_loaded(tmp_path):
+    """libmpi already in the process (MPI imported some other way first), or a library that is not
+    there: the rank goes on without the fix and says why, once."""
+    late = _python(
+        "from mpi4py import MPI\nfrom nanotron_recover.ft import revoke_fix\n"
+        "print(revoke_fix.load(), revoke_fix.load())\n",
+        revoke_fix.rank_env(tmp_path),
+    )
+    assert late.stdout.strip() == "False False", late.stderr[-2000:]
+    assert late.stderr.count("revoke fix not loaded") == 1 and "libmpi was loaded before it" in late.stderr
+    missing = _python(
+        "from nanotron_recover.ft import revoke_fix\nprint(revoke_fix.load())\n",
+        {revoke_fix.ENV: str(tmp_path / "absent.so")},
+    )
+    assert missing.stdout.strip() == "False" and "revoke fix not loaded" in missing.stderr, missing.stderr
+
+
+def test_without_a_compiler_the_ranks_go_without_it_and_it_is_said(tmp_path, monkeypatch):
+    monkeypatch.setattr(revoke_fix, "compiler", lambda: None)
+    said: list[str] = []
+    assert revoke_fix.rank_env(tmp_path, said.append) == {}
+    assert len(said) == 1 and "no C compiler" in said[0] and "Fenix#136" in said[0], said
