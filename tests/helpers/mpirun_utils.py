@@ -14,8 +14,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from nanotron_recover.launcher import mpirun_command
 from nanotron_recover.session_dirs import fresh_session
@@ -91,6 +94,21 @@ def start_mpirun(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
         start_new_session=True,
         text=True,
     )
+
+
+def wait_mpirun(
+    proc: subprocess.Popen[str], timeout_s: float, describe: Callable[[], str] = lambda: ""
+) -> str:
+    """The output of an ``mpirun`` started by :func:`start_mpirun` once it ends. Past ``timeout_s``
+    the job is killed as a whole (the ranks too: one deadlocked inside Open MPI outlives its daemon)
+    and the test fails, with ``describe()`` and the end of the output."""
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        log, _ = proc.communicate()
+        pytest.fail(f"mpirun timed out after {timeout_s}s{describe()}:\n{log[-4000:]}")
+    return log
 
 
 def run_process(

@@ -22,7 +22,7 @@ import pytest
 
 from nanotron_recover.ft.topology import Topology
 from nanotron_recover.launcher import heartbeat_flags
-from tests.helpers.mpirun_utils import kill_tree, rank_results, start_mpirun
+from tests.helpers.mpirun_utils import kill_tree, rank_results, start_mpirun, wait_mpirun
 
 WORKER = Path(__file__).resolve().parents[3] / "tests" / "helpers" / "mpi_workers" / "comm_worker.py"
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
@@ -71,12 +71,7 @@ def start_worker(
 
 def finish_worker(proc: subprocess.Popen, out: Path) -> dict[int, dict[str, Any]]:
     """Wait for a started worker (at most ``RUN_TIMEOUT_S``); {rank: result} of the ranks that wrote one."""
-    try:
-        log, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)  # the ranks too: one deadlocked inside Open MPI outlives its daemon
-        log, _ = proc.communicate()
-        pytest.fail(f"mpirun timed out after {RUN_TIMEOUT_S}s:\n{log[-4000:]}")
+    log = wait_mpirun(proc, RUN_TIMEOUT_S)
     return rank_results(out, proc.returncode, log)
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.mpirun_utils import kill_tree, rank_results, start_mpirun
+from tests.helpers.mpirun_utils import kill_tree, rank_results, start_mpirun, wait_mpirun
 
 WORKERS = Path(__file__).resolve().parents[3] / "tests" / "helpers" / "mpi_workers"
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
@@ -76,13 +76,10 @@ def _start(out: Path, n: int, worker: str, *args: str) -> subprocess.Popen[str]:
 def _finish(
     proc: subprocess.Popen[str], out: Path, timeout: float = RUN_TIMEOUT_S
 ) -> dict[int, dict[str, Any]]:
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        log, _ = proc.communicate()
-        stages = {f.name: json.loads(f.read_text()).get("stage") for f in sorted(out.glob("stage*.json"))}
-        pytest.fail(f"mpirun timed out after {timeout}s; stages {stages}\n{log[-4000:]}")
+    def stages() -> str:
+        return f"; stages { ({f.name: json.loads(f.read_text()).get('stage') for f in sorted(out.glob('stage*.json'))}) }"
+
+    log = wait_mpirun(proc, timeout, stages)
     return rank_results(out, proc.returncode, log)
 
 
@@ -156,12 +153,7 @@ CYCLED = "due to cycling of identifiers"
 def _epoch_reuse(out: Path, *args: str) -> tuple[dict[int, dict[str, Any]], str]:
     """Run ``epoch_reuse_worker.py`` on 4 ranks: every rank's record and mpirun's output."""
     proc = _start(out, 4, "epoch_reuse_worker.py", *args)
-    try:
-        log, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        log, _ = proc.communicate()
-        pytest.fail(f"mpirun timed out after {RUN_TIMEOUT_S}s\n{log[-4000:]}")
+    log = wait_mpirun(proc, RUN_TIMEOUT_S)
     res = rank_results(out, proc.returncode, log)
     assert proc.returncode == 0 and sorted(res) == [0, 1, 2, 3], (proc.returncode, res, log[-3000:])
     return res, log

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from nanotron_recover.ft import native, revoke_fix
-from tests.helpers.mpirun_utils import kill_tree, start_mpirun
+from tests.helpers.mpirun_utils import start_mpirun, wait_mpirun
 
 WORKERS = Path(__file__).resolve().parents[3] / "tests" / "helpers" / "mpi_workers"
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
@@ -49,13 +49,7 @@ def _run(tmp_path: Path, fixed: bool) -> tuple[dict[int, dict], str]:
     cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm"]
     cmd += ["--mca", "coll", "^han,cuda", "--mca", "btl", "^ofi", "-n", "3"]
     cmd += [sys.executable, str(WORKERS / "revoke_fix_worker.py"), "--out", str(out), "--die-lib", str(die)]
-    proc = start_mpirun(cmd, env)
-    try:
-        log, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        log, _ = proc.communicate()
-        pytest.fail(f"mpirun timed out after {RUN_TIMEOUT_S}s\n{log[-4000:]}")
+    log = wait_mpirun(start_mpirun(cmd, env), RUN_TIMEOUT_S)
     results = {int(f.stem[4:]): json.loads(f.read_text()) for f in out.glob("rank*.json")}
     return results, log
 

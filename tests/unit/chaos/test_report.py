@@ -98,23 +98,25 @@ def _judged(incidents: list[dict], commits: list[tuple[int, float, int]], sent: 
     )
 
 
+def _sent(index: int, kind: str, incidents_before: int, rank: int, sent_at: float) -> dict:
+    """A fault as the runner records it once sent: a SIGKILL to ``rank`` (its own replica)."""
+    signals = [{"rank": rank, "replica": rank, "pid": 7 + index, "sig": 9, "sent": True}]
+    return {
+        "index": index,
+        "kind": kind,
+        "incidents_before": incidents_before,
+        "signals": signals,
+        "sent_at": sent_at,
+    }
+
+
 def test_a_relaunch_after_the_job_was_back_at_full_width_is_no_reaction_to_the_fault():
     """The fault's own relaunch is its reaction; one after the job was whole again, or before any
     fault, is a job lost with every replica healthy, and is counted as such."""
-    kill = {
-        "index": 0,
-        "kind": "kill",
-        "incidents_before": 1,
-        "signals": [{"rank": 1, "replica": 1, "pid": 7, "sig": 9, "sent": True}],
-        "sent_at": 10.5,
-    }
-    power_off = {
-        "index": 1,
-        "kind": "node_power_off",
-        "incidents_before": 4,
-        "signals": [{"rank": 2, "replica": 2, "pid": 8, "sig": 9, "sent": True}],
-        "sent_at": 40.5,
-    }
+    kill, power_off = (
+        _sent(0, "kill", 1, rank=1, sent_at=10.5),
+        _sent(1, "node_power_off", 4, rank=2, sent_at=40.5),
+    )
     incidents = [
         {"kind": "job_lost", "step": 5},  # before any fault
         {"kind": "crash", "step": 11, "failed_ranks": [1]},
