@@ -19,7 +19,9 @@ It must be in the process before libmpi: :func:`load` is called by :mod:`.ulfm` 
 loads the library :data:`ENV` names,
 with ``RTLD_GLOBAL`` so that libmpi, loaded after it, binds to it. The supervisor builds it into the
 run folder with the host's C compiler (:mod:`.native`) and names it in the launch's environment,
-which every rank and every spawned process inherits (:func:`rank_env`). Without a compiler, or in a
+which every launch rank inherits (:func:`rank_env`); a re-join's spawn command passes it on to the
+processes it spawns (``rejoin.spawn_command``: the runtime does not pass the job's environment on
+to them; one that went without it crashed so in a later ``Shrink``). Without a compiler, or in a
 process started without the variable, ranks run without it, said once.
 """
 
