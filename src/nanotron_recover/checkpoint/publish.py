@@ -42,7 +42,6 @@ copy, complete.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -50,7 +49,9 @@ import time
 from pathlib import Path
 
 from .. import fencing
+from .errors import CheckpointError
 from .files import _remove
+from .meta import _read_meta
 from .paths import LATEST, NEXT_LATEST, STEP_DIR
 
 # Retired checkpoints are renamed to this prefix + their name + a random suffix before removal: no
@@ -141,7 +142,7 @@ def _retire_older(
 def _identity(step_dir: Path) -> str | None:
     """The run identity ``meta.json`` records; None when it cannot be read (never retired then)."""
     try:
-        value = json.loads((step_dir / "meta.json").read_text()).get("run_identity")
-    except (OSError, ValueError, AttributeError):
+        value = _read_meta(step_dir).get("run_identity")
+    except CheckpointError:
         return None
     return value if isinstance(value, str) else None
