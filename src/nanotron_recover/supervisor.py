@@ -74,7 +74,7 @@ from .commit_record import read_commit
 from .errors import ExitCode
 from .failures import Kind
 from .frozen_processes import FrozenProcessWatch
-from .ft import prrte_fix, revoke_fix
+from .ft import prrte_fix, rank_fixes
 from .generation import Relaunch, clear_relaunch, write_relaunch
 from .host_probe import ProbeRun
 from .hosts import (
@@ -296,10 +296,10 @@ def run_supervised(
     env[SUPERVISED_ENV] = "1"
     launch = fresh_session(cmd)
     env.pop(prrte_fix.ENV, None)  # the ranks read it as "the runtime has the fix": only if it does
-    env.pop(revoke_fix.ENV, None)
+    env.pop(rank_fixes.ENV, None)
     if launch != list(cmd):  # fresh_session.sh starts mpirun, and preloads the fix it is given
         env.update(prrte_fix.runtime_env(run_dir, log))  # mpirun's daemons can spawn across hosts
-        env.update(revoke_fix.rank_env(run_dir, log))  # a death during a creation crashes no rank
+        env.update(rank_fixes.rank_env(run_dir, log))  # a death during a creation crashes no rank
     watch = CommitWatch(run_dir, deadline or DeadlineArgs(fixed_s=0), previous_start_s)
     stalled: Stalled | None = None
     hosts_gone: str | None = None

@@ -20,7 +20,7 @@ import pytest
 
 from nanotron_recover import supervisor
 from nanotron_recover.errors import ExitCode
-from nanotron_recover.ft import prrte_fix, revoke_fix
+from nanotron_recover.ft import prrte_fix, rank_fixes
 from nanotron_recover.generation import read_relaunch
 from nanotron_recover.hosts import HostPlan
 from nanotron_recover.lost_hosts import LostHostWatch
@@ -350,28 +350,28 @@ def test_a_process_that_cannot_be_reaped_is_left_behind_and_said(monkeypatch):
 @pytest.mark.skipif(prrte_fix.compiler() is None, reason="needs a C compiler")
 def test_mpirun_is_started_with_the_runtime_fix_and_the_ranks_are_told(tmp_path, monkeypatch):
     """A command that starts mpirun goes through ``fresh_session.sh`` with the PRRTE fix built and
-    preloaded (``ft/prrte_fix.py``), and the launch's environment names it and the ranks' revoke fix
-    (``ft/revoke_fix.py``); a command that starts no mpirun gets none, even where the supervisor's
+    preloaded (``ft/prrte_fix.py``), and the launch's environment names it and the ranks' Open MPI fixes
+    (``ft/rank_fixes.py``); a command that starts no mpirun gets none, even where the supervisor's
     own environment named them."""
     monkeypatch.setenv(prrte_fix.ENV, "/stale/from/an/outer/launch.so")
-    monkeypatch.setenv(revoke_fix.ENV, "/stale/from/an/outer/launch.so")
+    monkeypatch.setenv(rank_fixes.ENV, "/stale/from/an/outer/launch.so")
     job = fake_job(tmp_path, "commit(1); record('completed', 1, None, 0, target_step=1)\n")
     shown = tmp_path / "environment"
     mpirun = tmp_path / "mpirun"  # a stand-in: says what it was given, then runs the fake job
     mpirun.write_text(
-        f'#!/bin/sh\necho "$LD_PRELOAD|${prrte_fix.ENV}|${revoke_fix.ENV}" > {shown}\nexec {" ".join(job)}\n'
+        f'#!/bin/sh\necho "$LD_PRELOAD|${prrte_fix.ENV}|${rank_fixes.ENV}" > {shown}\nexec {" ".join(job)}\n'
     )
     mpirun.chmod(0o755)
     run_dir = tmp_path / "run"
     assert supervise([str(mpirun)], run_dir, grace_s=1.0, target_step=1) == 0
     library = str(prrte_fix.library_path(run_dir.resolve()))
-    ranks_fix = str(revoke_fix.library_path(run_dir.resolve()))
+    ranks_fix = str(rank_fixes.library_path(run_dir.resolve()))
     assert shown.read_text().strip() == f"{library}|{library}|{ranks_fix}"
 
     (tmp_path / "launches").unlink()
     no_mpirun = tmp_path / "job.sh"
     no_mpirun.write_text(
-        f'#!/bin/sh\necho "$LD_PRELOAD|${prrte_fix.ENV}|${revoke_fix.ENV}" > {shown}\nexec {" ".join(job)}\n'
+        f'#!/bin/sh\necho "$LD_PRELOAD|${prrte_fix.ENV}|${rank_fixes.ENV}" > {shown}\nexec {" ".join(job)}\n'
     )
     no_mpirun.chmod(0o755)
     assert supervise([str(no_mpirun)], run_dir, grace_s=1.0, target_step=1) == 0

@@ -1,5 +1,5 @@
 """Building the small C libraries the project loads into Open MPI's processes: the runtime's spawn
-fix (:mod:`.prrte_fix`) and the ranks' revoke fix (:mod:`.revoke_fix`).
+fix (:mod:`.prrte_fix`) and the ranks' fixes (:mod:`.rank_fixes`).
 
 Each is compiled with the host's C compiler into the run folder (which every node of a job sees),
 once: its name carries the source's digest, so a changed source is built anew and an unchanged one

@@ -43,10 +43,10 @@ os.environ.setdefault("OMPI_MCA_mpi_add_procs_cutoff", "4294967295")
 os.environ.setdefault(*eager_limit_env())
 
 # Before libmpi is loaded: the fix for a failure reported while a communicator is created
-# (revoke_fix.py), when the launch names it.
-from .revoke_fix import load as _load_revoke_fix  # noqa: E402
+# (rank_fixes.py), when the launch names it.
+from .rank_fixes import load as _load_rank_fixes  # noqa: E402
 
-_load_revoke_fix()
+_load_rank_fixes()
 
 import mpi4py  # noqa: E402
 
@@ -56,6 +56,10 @@ import mpi4py  # noqa: E402
 mpi4py.rc.finalize = False
 
 from mpi4py import MPI  # noqa: E402  (must come after the MCA default above)
+
+from .rank_fixes import guard_fragments as _guard_fragments  # noqa: E402
+
+_guard_fragments()  # MPI is initialized now, and with it ob1's receive callbacks (rank_fixes.c)
 
 # Error classes that mean "the world changed" (vs. a programming error).
 FAULT_ERROR_CLASSES: frozenset[int] = frozenset(

@@ -1,5 +1,5 @@
 /*
- * Test only (tests/integration/ft/test_revoke_fix.py): SIGKILL this process as it enters Open
+ * Test only (tests/integration/ft/test_rank_fixes.py): SIGKILL this process as it enters Open
  * MPI's ompi_comm_activate() for the DIE_IN_ACTIVATE-th time, after a short pause that lets its
  * peers reach their own activate of the same communicator. Loaded with RTLD_GLOBAL before libmpi,
  * which calls ompi_comm_activate through its PLT from every communicator creation.

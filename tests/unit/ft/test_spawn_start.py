@@ -14,7 +14,7 @@ import pytest
 from nanotron_recover import fencing
 from nanotron_recover.config.recover import RecoverArgs
 from nanotron_recover.data_parallel.forward.rejoin import spawn_command, spawn_start_s
-from nanotron_recover.ft import revoke_fix
+from nanotron_recover.ft import rank_fixes
 from nanotron_recover.ft.abandoned_join import ENV as JOIN_ENV
 from nanotron_recover.ft.liveness import heartbeat_file
 from nanotron_recover.ft.spawn_start import ENV, beat_value
@@ -23,7 +23,7 @@ from nanotron_recover.ft.spawn_start import ENV, beat_value
 def test_the_spawn_command_names_the_heartbeat_and_runs_the_cli(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["cli", "train", "--config", "c.yaml"])
     monkeypatch.setattr(fencing, "mine", lambda: None)
-    monkeypatch.delenv(revoke_fix.ENV, raising=False)
+    monkeypatch.delenv(rank_fixes.ENV, raising=False)
     cmd = spawn_command(tmp_path, 0.5)
     # ULFM's detector off in the spawned world: a partitioned pair must not report each other dead.
     assert cmd[:3] == ["env", f"{ENV}={tmp_path}|0.5", "OMPI_MCA_mpi_ft_detector=false"]
@@ -31,12 +31,12 @@ def test_the_spawn_command_names_the_heartbeat_and_runs_the_cli(tmp_path, monkey
     # A named join reaches the spawned process, whose watcher ends it if the join is given up.
     named = spawn_command(tmp_path, 0.5, "0-3-41")
     assert named[:4] == [*cmd[:3], f"{JOIN_ENV}=0-3-41"] and named[4:] == cmd[3:]
-    # The revoke fix this rank runs with reaches the spawned process too (the runtime may not pass
+    # The Open MPI fixes this rank runs with reach the spawned process too (the runtime may not pass
     # the job's environment on), and nothing is named where the rank has none.
-    assert not any(a.startswith(revoke_fix.ENV) for a in cmd)
-    monkeypatch.setenv(revoke_fix.ENV, "/run/runtime/revoke_fix-0.so")
+    assert not any(a.startswith(rank_fixes.ENV) for a in cmd)
+    monkeypatch.setenv(rank_fixes.ENV, "/run/runtime/rank_fixes-0.so")
     fixed = spawn_command(tmp_path, 0.5)
-    assert fixed[:4] == [*cmd[:3], f"{revoke_fix.ENV}=/run/runtime/revoke_fix-0.so"] and fixed[4:] == cmd[3:]
+    assert fixed[:4] == [*cmd[:3], f"{rank_fixes.ENV}=/run/runtime/rank_fixes-0.so"] and fixed[4:] == cmd[3:]
 
 
 def test_the_cli_module_beats_before_its_imports_end(tmp_path):

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ... import fencing
 from ...errors import StopRun
 from ...failures import Kind, Phase
-from ...ft import abandoned_join, prrte_fix, revoke_fix, spawn_start
+from ...ft import abandoned_join, prrte_fix, rank_fixes, spawn_start
 from ...ft.faults import FaultInjector
 from ...ft.liveness import JoinWatch, start_heartbeat
 from ...ft.replica_world import init_replica_world
@@ -424,9 +424,9 @@ def spawn_command(run_dir: Any, period_s: float, join: str | None = None) -> lis
     token = fencing.mine()
     if token is not None:
         env.append(f"{fencing.ENV}={token}")
-    # The revoke fix this rank runs with (ft/revoke_fix.py): a spawned process without it crashed
+    # The Open MPI fixes this rank runs with (ft/rank_fixes.py): a spawned process without it crashed
     # in a later recovery's Shrink (the long chaos campaign), as the launch ranks did before it.
-    fix = os.environ.get(revoke_fix.ENV)
+    fix = os.environ.get(rank_fixes.ENV)
     if fix:
-        env.append(f"{revoke_fix.ENV}={fix}")
+        env.append(f"{rank_fixes.ENV}={fix}")
     return ["env", *env, *cmd]

@@ -1,0 +1,188 @@
+"""The fixes for Open MPI every rank loads (``ft/rank_fixes.py``).
+
+The revoke fix: a process reported failed while the survivors create a communicator crashes them
+in Open MPI 5.0.x (a null ``c_coll`` in ``ompi_comm_revoke_local``, the trace of
+sandialabs/Fenix#136); with the fix loaded they finish the creation, shrink and go on.
+``tests/helpers/mpi_workers/rank_fixes_worker.py`` on 3 ranks, the last one SIGKILLed as it enters
+``ompi_comm_activate`` of a ``Dup`` (``die_in_activate.c``). A hang fails through the job's timeout.
+
+The stray-fragment guard and the abort's reason: a crafted ob1 fragment handed to the transport's
+receive callback, and ``MPI_Abort``, in one process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nanotron_recover.ft import native, rank_fixes
+from tests.helpers.mpirun_utils import start_mpirun, wait_mpirun
+
+WORKERS = Path(__file__).resolve().parents[3] / "tests" / "helpers" / "mpi_workers"
+MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+RUN_TIMEOUT_S = 60.0
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(MPIRUN is None, reason="mpirun (Open MPI with ULFM) not available"),
+    pytest.mark.skipif(native.compiler() is None, reason="needs a C compiler"),
+]
+
+
+def _run(tmp_path: Path, fixed: bool) -> tuple[dict[int, dict], str]:
+    import json
+
+    out = tmp_path / ("fixed" if fixed else "bare")
+    out.mkdir()
+    die = native.build(WORKERS / "die_in_activate.c", tmp_path, native.compiler())
+    env = {
+        **os.environ,
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    env.pop(rank_fixes.ENV, None)
+    if fixed:
+        env.update(rank_fixes.rank_env(tmp_path))
+        assert env.get(rank_fixes.ENV), "the fix did not build"
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm"]
+    cmd += ["--mca", "coll", "^han,cuda", "--mca", "btl", "^ofi", "-n", "3"]
+    cmd += [sys.executable, str(WORKERS / "rank_fixes_worker.py"), "--out", str(out), "--die-lib", str(die)]
+    log = wait_mpirun(start_mpirun(cmd, env), RUN_TIMEOUT_S)
+    results = {int(f.stem[4:]): json.loads(f.read_text()) for f in out.glob("rank*.json")}
+    return results, log
+
+
+def test_survivors_of_a_death_during_a_creation_finish_it_shrink_and_reduce(tmp_path):
+    results, log = _run(tmp_path, fixed=True)
+    assert sorted(results) == [0, 1], log[-4000:]
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["fix_loaded"] is True, r
+        assert (r["size"], r["total"]) == (2, 0 + 1), r
+    # The notice met the Dup's communicator before its collectives on one survivor at least (the
+    # other may learn of the death once the first has left the Dup).
+    assert results[0]["caught"] + results[1]["caught"] >= 1, results
+    assert "Failing at address" not in log, log[-4000:]
+
+
+def test_without_the_fix_the_survivors_crash_in_open_mpi(tmp_path):
+    """Shows the defect is still in the Open MPI the tests run on: if this test fails, Open MPI no
+    longer dereferences a missing ``c_coll`` and the fix can go."""
+    results, log = _run(tmp_path, fixed=False)
+    assert results == {}, results
+    assert "ompi_comm_revoke_local" in log and "Failing at address: 0x450" in log, log[-4000:]
+
+
+def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_ulfm_loads_the_fix_before_libmpi_so_libmpi_binds_to_it(tmp_path):
+    """Imported through ``ft.ulfm`` with the launch's variable set, the first
+    ``ompi_comm_revoke_local`` in the process's global scope (what libmpi's calls bind to) is the
+    fix's; without the variable, there is none there but libmpi's own (if any)."""
+    code = (
+        "import ctypes\n"
+        "from nanotron_recover.ft import rank_fixes\n"
+        "from nanotron_recover.ft.ulfm import MPI\n"
+        "try:\n"
+        "    first = ctypes.cast(ctypes.CDLL(None).ompi_comm_revoke_local, ctypes.c_void_p).value\n"
+        "except AttributeError:\n"
+        "    first = None  # not in the global scope at all (mpi4py loads libmpi locally)\n"
+        "fix = rank_fixes._loaded\n"
+        "print(fix is not None and first == ctypes.cast(fix.ompi_comm_revoke_local, ctypes.c_void_p).value)\n"
+    )
+    fixed = _python(code, rank_fixes.rank_env(tmp_path))
+    assert fixed.stdout.strip() == "True", fixed.stderr[-2000:]
+    bare = _python(code, {rank_fixes.ENV: ""})
+    assert bare.stdout.strip() == "False", bare.stderr[-2000:]
+
+
+def test_a_fix_that_cannot_bind_is_said_once_and_not_loaded(tmp_path):
+    """libmpi already in the process (MPI imported some other way first), or a library that is not
+    there: the rank goes on without the fix and says why, once."""
+    late = _python(
+        "from mpi4py import MPI\nfrom nanotron_recover.ft import rank_fixes\n"
+        "print(rank_fixes.load(), rank_fixes.load())\n",
+        rank_fixes.rank_env(tmp_path),
+    )
+    assert late.stdout.strip() == "False False", late.stderr[-2000:]
+    assert (
+        late.stderr.count("Open MPI fixes not loaded") == 1 and "libmpi was loaded before it" in late.stderr
+    )
+    missing = _python(
+        "from nanotron_recover.ft import rank_fixes\nprint(rank_fixes.load())\n",
+        {rank_fixes.ENV: str(tmp_path / "absent.so")},
+    )
+    assert missing.stdout.strip() == "False" and "Open MPI fixes not loaded" in missing.stderr, missing.stderr
+
+
+def test_without_a_compiler_the_ranks_go_without_it_and_it_is_said(tmp_path, monkeypatch):
+    monkeypatch.setattr(rank_fixes, "compiler", lambda: None)
+    said: list[str] = []
+    assert rank_fixes.rank_env(tmp_path, said.append) == {}
+    assert len(said) == 1 and "no C compiler" in said[0] and "Fenix#136" in said[0], said
+
+
+def test_a_rank_open_mpi_aborts_says_why_on_stderr(tmp_path):
+    """Open MPI ends a rank on an internal error through ``ompi_rte_abort``, whose reason goes only
+    to the runtime (with a recoverable runtime nothing prints it): with the library loaded, the
+    reason, host and pid are on the rank's stderr first; without it, they are not."""
+    code = "from nanotron_recover.ft.ulfm import MPI\nMPI.COMM_WORLD.Abort(3)\n"
+    fixed = _python(code, rank_fixes.rank_env(tmp_path))
+    assert fixed.returncode != 0
+    assert "Open MPI aborts this rank" in fixed.stderr and "(code 3)" in fixed.stderr, fixed.stderr[-2000:]
+    bare = _python(code, {rank_fixes.ENV: ""})
+    assert bare.returncode != 0 and "Open MPI aborts this rank" not in bare.stderr, bare.stderr[-2000:]
+
+
+_STRAY_FRAGMENT = """
+import ctypes, os
+from nanotron_recover.ft import rank_fixes
+from nanotron_recover.ft.ulfm import MPI
+
+class Segment(ctypes.Structure):  # mca_btl_base_segment_t
+    _fields_ = [("addr", ctypes.c_void_p), ("len", ctypes.c_uint64)]
+
+class Descriptor(ctypes.Structure):  # mca_btl_base_receive_descriptor_t
+    _fields_ = [("endpoint", ctypes.c_void_p), ("segments", ctypes.POINTER(Segment)),
+                ("count", ctypes.c_size_t), ("tag", ctypes.c_uint8), ("cbdata", ctypes.c_void_p)]
+
+class Callback(ctypes.Structure):  # mca_btl_active_message_callback_t
+    _fields_ = [("cbfunc", ctypes.c_void_p), ("cbdata", ctypes.c_void_p)]
+
+libmpi = ctypes.CDLL("libmpi.so.40", mode=os.RTLD_NOLOAD)
+table = (Callback * 255).in_dll(libmpi, "mca_btl_base_active_message_trigger")
+# An ob1 MATCH header for MPI_COMM_SELF (context id 1) from rank 5, which it does not have.
+header = bytearray(64)
+header[0] = 0x41
+header[2:4] = (1).to_bytes(2, "little")
+header[4:8] = (5).to_bytes(4, "little")
+buf = (ctypes.c_char * len(header)).from_buffer(header)
+segment = Segment(ctypes.addressof(buf), len(header))
+desc = Descriptor(None, ctypes.pointer(segment), 1, 0x41, table[0x41].cbdata)
+print("guarded", rank_fixes._loaded is not None and table[0x41].cbfunc != 0, flush=True)
+receive = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(table[0x41].cbfunc)
+receive(None, ctypes.addressof(desc))
+print("alive", rank_fixes.dropped(), MPI.COMM_SELF.allreduce(1), flush=True)
+"""
+
+
+def test_a_message_from_a_rank_the_communicator_lacks_is_dropped_not_fatal(tmp_path):
+    """ob1 ends the rank (and the runtime the job) on a fragment whose source rank is past its
+    communicator's size. With the library, the transport's callback for it returns, the fragment is
+    dropped and said, and MPI goes on; without it, the same fragment ends the process."""
+    fixed = _python(_STRAY_FRAGMENT, rank_fixes.rank_env(tmp_path))
+    assert "guarded True" in fixed.stdout, fixed.stdout + fixed.stderr[-2000:]
+    assert "alive 1 1" in fixed.stdout, fixed.stdout + fixed.stderr[-2000:]
+    assert "dropped a message for context id 1 from rank 5" in fixed.stderr, fixed.stderr[-2000:]
+    bare = _python(_STRAY_FRAGMENT, {rank_fixes.ENV: ""})
+    assert bare.returncode != 0 and "alive" not in bare.stdout, bare.stdout + bare.stderr[-2000:]
