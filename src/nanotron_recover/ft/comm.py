@@ -139,7 +139,7 @@ from .partition import PartitionGuard
 from .processes import ProcessInfo, this_process
 from .topology import RankCoords, Topology
 from .transport import eager_slices
-from .ulfm import FAULT_ERROR_CLASSES, MPI, is_fault, retire_comm
+from .ulfm import FAULT_ERROR_CLASSES, MPI, agree, is_fault, retire_comm
 from .world import AllReplicasFailed, FTError, JoinFailed, JoinPlan, RecoveryResult, StaleEpoch, WorldChanged
 
 # Bits of the step agree. The agree is a bitwise AND, so a single rank that clears
@@ -155,6 +155,8 @@ _STOP_BITS = 0xFF
 _KIND_SHIFT = 10
 AGREE_KINDS = ("join", "finish", "stop")
 _KIND_MASK = (1 << len(AGREE_KINDS)) - 1
+# Every bit a step agree's participant can set: a result with another one is corrupt (ulfm.agree).
+_AGREE_BITS = _FLAG | _NO_RECOVERY | (_STOP_BITS << _STOP_SHIFT) | (_KIND_MASK << _KIND_SHIFT)
 
 
 def _as_numpy(buf: Any) -> np.ndarray:
@@ -481,7 +483,7 @@ class FaultTolerantComm(GridPosition):
         self.in_ft_operation = True
         try:
             try:
-                value = self._global.Agree(mine)
+                value = agree(self._global, mine, _AGREE_BITS, "step")
             except MPI.Exception as exc:
                 if not is_fault(exc):
                     raise

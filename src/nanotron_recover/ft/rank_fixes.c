@@ -1,7 +1,7 @@
 /*
  * Loaded into every rank before Open MPI (ft/rank_fixes.py). Three parts: a failure notice that
- * arrives while a communicator is being created must not crash the rank (here); a fragment from a
- * rank its communicator does not have is dropped, not fatal; an abort says why (both further down).
+ * arrives while a communicator is being created must not crash the rank (here); only processes of
+ * this launch may connect; an abort says why (both further down).
  *
  * Open MPI 5.0.x (and main, as read): when a process is reported failed,
  * ompi_errhandler_proc_failed_internal() calls ompi_comm_set_rank_failed() for every communicator
@@ -123,100 +123,74 @@ unsigned long rank_fixes_caught(void)
 }
 
 /*
- * A fragment that names a source outside its communicator is dropped, not fatal.
+ * Only processes of this launch are let in.
  *
- * ob1's receive callbacks look the sender up in the communicator the fragment names
- * (mca_pml_ob1_peer_lookup, ompi/mca/pml/ob1/pml_ob1_comm.h); a source rank past the
- * communicator's size ends the process through ompi_rte_abort ("PML OB1 received a message from a
- * rank outside the valid range of the communicator"), and with it the whole job, since the runtime
- * ends every process of a job one of them aborts. Seen in this project's chaos campaigns on the
- * emulated cluster, always during a recovery's MPIX_Comm_shrink: one relaunch of the job each time.
+ * Open MPI's TCP transport binds each process's listening socket to the first free port from
+ * btl_tcp_port_min_v4 (1024) up (opal/mca/btl/tcp/btl_tcp_component.c), so a process started on a
+ * host where another one of an earlier launch listened gets that one's port again. A process of
+ * the earlier launch that still runs (a relaunch does not wait for every rank of the launch it ends
+ * to be gone: the node may be frozen or cut off, or its ranks slow to die) and dials its old peer
+ * reaches the new process, and the transport lets it in: an unknown name is looked up
+ * (mca_btl_tcp_proc_lookup -> opal_proc_for_name) and added as a peer. Its messages then land on
+ * the new process's communicators of the same context ids: agreements decided with another job's
+ * values, fragments from ranks the communicator does not have, communicators with clashing context
+ * ids. Seen in the chaos campaigns on the emulated cluster after relaunches: healthy ranks entering
+ * a recovery with no failure, step agreements returning garbage, and then a stall or an abort.
  *
- * The check runs first thing in the callback, before the matching lock is taken, anything is
- * allocated or the fragment is matched (pml_ob1_recvfrag.c). So the callbacks of the three
- * fragment kinds that carry a match header (MATCH, RNDV, RGET) are wrapped in the table the
- * transports dispatch through (mca_btl_base_active_message_trigger, opal/mca/btl/btl.h): the
- * wrapper marks the thread as inside one, and the abort below, called from inside it for that
- * reason, jumps back to the wrapper, which returns to the transport as if ob1 had taken the
- * fragment. It is dropped: no receive of the communicator sees it. The same abort anywhere else
- * (e.g. the pending fragments a new communicator adopts, mca_pml_ob1_add_comm) still ends the rank.
+ * A process of another launch has another job family: the upper 16 bits of a job id are a hash of
+ * the launch's PMIx namespace (opal_pmix_convert_nspace, opal/mca/pmix/base/pmix_base_fns.c), the
+ * lower 16 the job within the launch, so processes a re-join spawns share the family. The lookup
+ * of a connecting process is made through libopen-pal's PLT, so this definition stands in for it
+ * and answers "no such process" for another family: the transport closes that connection
+ * ("server accept cannot find guid", its help text) and none of its messages is read.
  */
-#define OB1_HDR_TYPE_MATCH 0x41 /* MCA_BTL_TAG_PML + 1, ompi/mca/pml/ob1/pml_ob1_hdr.h */
-#define OB1_HDR_TYPE_RGET 0x43  /* MATCH, RNDV, RGET: the kinds that carry a match header */
-#define STRAY_REASON "outside the valid range of the communicator"
+typedef void *(*proc_lookup_fn)(const void *);
+struct process_name { uint32_t jobid; uint32_t vpid; };   /* opal_process_name_t */
+static unsigned long refused;
 
-typedef void (*recv_cb_fn)(void *, const void *);
-struct recv_cb { recv_cb_fn cbfunc; void *cbdata; };   /* mca_btl_active_message_callback_t */
-struct segment { void *addr; uint64_t len; };          /* mca_btl_base_segment_t */
-struct recv_desc { void *endpoint; const struct segment *segments; size_t count; uint8_t tag; void *cbdata; };
-
-static recv_cb_fn ob1_callback[OB1_HDR_TYPE_RGET + 1];
-static __thread sigjmp_buf *stray_jump;                /* set while a wrapped callback runs */
-static unsigned long dropped;
-
-static void said_dropped(const struct recv_desc *desc)
+static uint32_t my_job_family(void)
 {
-    unsigned short ctx = 0;
-    int src = -1, tag = 0;
-    if (desc->segments != NULL && desc->segments->addr != NULL && desc->segments->len >= 12) {
-        const unsigned char *h = desc->segments->addr;   /* common header, then ctx, src, tag */
-        memcpy(&ctx, h + 2, sizeof ctx);
-        memcpy(&src, h + 4, sizeof src);
-        memcpy(&tag, h + 8, sizeof tag);
-    }
-    if (__atomic_add_fetch(&dropped, 1, __ATOMIC_RELAXED) <= 3) {
-        fprintf(stderr, "[nanotron-recover] pid %d: dropped a message for context id %u from rank %d "
-                "(tag %d), which its communicator does not have (Open MPI would end the rank)\n",
-                (int) getpid(), ctx, src, tag);
-        fflush(stderr);
-    }
+    /* opal_process_info_t begins with my_name (opal/util/proc.h) */
+    const struct process_name *me = (const struct process_name *) mpi_symbol("opal_process_info");
+    return me == NULL ? 0 : me->jobid >> 16;
 }
 
-static void guarded_callback(void *btl, const void *vdesc)
+void *mca_btl_tcp_proc_lookup(const void *name)
 {
-    const struct recv_desc *desc = vdesc;
-    recv_cb_fn real = ob1_callback[desc->tag <= OB1_HDR_TYPE_RGET ? desc->tag : 0];
-    sigjmp_buf here, *outer = stray_jump;
-    if (sigsetjmp(here, 0) == 0) {
-        stray_jump = &here;
-        real(btl, vdesc);
-    } else {
-        said_dropped(desc);
-    }
-    stray_jump = outer;
-}
-
-/* Wrap ob1's receive callbacks (after MPI_Init, which registers them). 1 if wrapped, 0 if not. */
-int rank_fixes_guard_fragments(void)
-{
-    struct recv_cb *table = (struct recv_cb *) mpi_symbol("mca_btl_base_active_message_trigger");
-    if (table == NULL || ob1_callback[OB1_HDR_TYPE_MATCH] != NULL) {
-        return table != NULL;
-    }
-    for (int tag = OB1_HDR_TYPE_MATCH; tag <= OB1_HDR_TYPE_RGET; tag++) {
-        if (table[tag].cbfunc == NULL) {
-            return 0;  /* not ob1's table as expected: leave it alone */
+    static proc_lookup_fn real;
+    proc_lookup_fn fn = __atomic_load_n(&real, __ATOMIC_ACQUIRE);
+    if (fn == NULL) {
+        fn = (proc_lookup_fn) mpi_symbol("mca_btl_tcp_proc_lookup");
+        if (fn == NULL || fn == mca_btl_tcp_proc_lookup) {
+            return NULL;
         }
+        __atomic_store_n(&real, fn, __ATOMIC_RELEASE);
     }
-    for (int tag = OB1_HDR_TYPE_MATCH; tag <= OB1_HDR_TYPE_RGET; tag++) {
-        ob1_callback[tag] = table[tag].cbfunc;
-        __atomic_store_n(&table[tag].cbfunc, guarded_callback, __ATOMIC_RELEASE);
+    const struct process_name *peer = name;
+    uint32_t mine = my_job_family();
+    if (peer != NULL && mine != 0 && peer->jobid >> 16 != mine) {
+        if (__atomic_add_fetch(&refused, 1, __ATOMIC_RELAXED) <= 3) {
+            fprintf(stderr, "[nanotron-recover] pid %d: refused a connection from process %u of job "
+                    "family %u, not this launch's (%u)\n",
+                    (int) getpid(), peer->vpid, peer->jobid >> 16, mine);
+            fflush(stderr);
+        }
+        return NULL;
     }
-    return 1;
+    return fn(name);
 }
 
-/* How many stray fragments this process dropped. */
-unsigned long rank_fixes_dropped(void)
+/* How many connections of processes of other launches this process refused. */
+unsigned long rank_fixes_refused(void)
 {
-    return __atomic_load_n(&dropped, __ATOMIC_RELAXED);
+    return __atomic_load_n(&refused, __ATOMIC_RELAXED);
 }
 
 /*
  * ompi_rte_abort(code, fmt, ...) is how Open MPI ends a rank on an internal error. The reason it
  * formats goes to PMIx_Abort only, which, with a recoverable runtime, prints nothing: the rank just
- * exits with status 255. This definition (reached through libmpi's PLT like the one above) drops
- * a stray fragment (see above) and otherwise says the reason on stderr, with the host and pid,
- * before it hands over to libmpi's own.
+ * exits with status 255. This definition (reached through libmpi's PLT like the one above) says
+ * the reason on stderr, with the host and pid, before it hands over to libmpi's own.
  */
 typedef void (*rte_abort_fn)(int, char *, ...);
 
@@ -228,9 +202,6 @@ void ompi_rte_abort(int error_code, char *fmt, ...)
         va_start(args, fmt);
         vsnprintf(reason, sizeof reason, fmt, args);
         va_end(args);
-    }
-    if (stray_jump != NULL && strstr(reason, STRAY_REASON) != NULL) {
-        siglongjmp(*stray_jump, 1);
     }
     char host[64] = "?";
     gethostname(host, sizeof host - 1);

@@ -1,7 +1,6 @@
 """Fixes for Open MPI loaded into every rank, before libmpi (``rank_fixes.c``, see its comments).
 
-Three defects of Open MPI 5.0.x that end a rank, and with it the job, each found by a chaos
-campaign on this project's path:
+Three defects of Open MPI 5.0.x on this project's path:
 
 - **a failure notice during a communicator's creation.** Open MPI revokes, locally, every
   communicator that holds a process reported failed (``ompi_comm_set_rank_failed`` ->
@@ -14,11 +13,14 @@ campaign on this project's path:
   survivors crash, every time; with the fix both finish the ``Dup``, shrink and reduce).
   ``ompi_comm_revoke_local`` is defined here (libmpi calls it through its PLT) and runs libmpi's own
   under a guard that turns that one fault into the end of the revoke;
-- **a message from a rank its communicator does not have.** ob1 ends the process on a fragment
-  whose source rank is past its communicator's size (``mca_pml_ob1_peer_lookup``), and the runtime
-  then ends every process of the job. Seen in the campaigns on the emulated cluster, always during
-  a recovery's ``Shrink``, a relaunch each. Once MPI is initialized, :func:`guard_fragments` wraps
-  ob1's receive callbacks so that such a fragment is dropped and said on stderr instead;
+- **a connection from another launch.** Open MPI's TCP transport binds every process's listening
+  port to the first free one from 1024, so a process of a later launch on a host gets the port of
+  one of an earlier launch, and a process of that launch that still runs (on a node frozen or cut
+  off while its job was relaunched, or slow to die) dials it: the transport takes a name it does
+  not know for a process of its own job and lets it in (measured: a crafted handshake with another
+  job's name was looked up as "part of this MPI job" and stopped only by the address check).
+  ``mca_btl_tcp_proc_lookup`` is defined here (reached through libopen-pal's PLT) and answers "no
+  such process" for a job family other than this launch's (processes a re-join spawns share it);
 - **a silent abort.** Open MPI's internal aborts (``ompi_rte_abort``) give their reason to the
   runtime only, which prints nothing with a recoverable job: the rank exited 255 with no word. The
   reason, host and pid now go to the rank's stderr first.
@@ -101,7 +103,7 @@ def load() -> bool:
         try:
             _loaded = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             _loaded.rank_fixes_caught.restype = ctypes.c_ulong
-            _loaded.rank_fixes_dropped.restype = ctypes.c_ulong
+            _loaded.rank_fixes_refused.restype = ctypes.c_ulong
         except (OSError, AttributeError) as e:
             _loaded, problem = None, str(e)
     if problem is not None and not _said:
@@ -112,16 +114,9 @@ def load() -> bool:
     return _loaded is not None
 
 
-def guard_fragments() -> bool:
-    """Once MPI is initialized (ob1 has registered its receive callbacks): wrap them so that a
-    fragment naming a source outside its communicator is dropped instead of ending the rank (see
-    ``rank_fixes.c``). Whether they are wrapped (False without the library)."""
-    return _loaded is not None and bool(_loaded.rank_fixes_guard_fragments())
-
-
-def dropped() -> int:
-    """How many such fragments this process dropped (0 without the library)."""
-    return int(_loaded.rank_fixes_dropped()) if _loaded is not None else 0
+def refused() -> int:
+    """How many connections of processes of other launches this process refused (0 without it)."""
+    return int(_loaded.rank_fixes_refused()) if _loaded is not None else 0
 
 
 def caught() -> int:

@@ -57,10 +57,6 @@ mpi4py.rc.finalize = False
 
 from mpi4py import MPI  # noqa: E402  (must come after the MCA default above)
 
-from .rank_fixes import guard_fragments as _guard_fragments  # noqa: E402
-
-_guard_fragments()  # MPI is initialized now, and with it ob1's receive callbacks (rank_fixes.c)
-
 # Error classes that mean "the world changed" (vs. a programming error).
 FAULT_ERROR_CLASSES: frozenset[int] = frozenset(
     {MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED}
@@ -126,6 +122,42 @@ def creation_failed(exc: BaseException, *, libnbc: bool = True) -> bool:
     return is_fault(exc, libnbc=libnbc)
 
 
+# mpirun's exit status when a rank ended the job over a corrupted agreement (:func:`agree`).
+ABORT_CORRUPT_AGREEMENT = 86
+
+
+def agree(comm: MPI.Comm, value: int, valid: int, what: str) -> int:
+    """``comm.Agree(value)``, checked: an agreement returns the bitwise AND of what its participants
+    contributed, so a result with a bit this rank did not set, or outside ``valid`` (every bit any
+    participant of this agreement can set), was contributed by no one.
+
+    Seen in the chaos campaigns on the emulated cluster, with no fault near: a step's agreement
+    returned values such as ``0x37838ad8`` and ``-0x47505fa8`` on one rank while the others were
+    still in the step's reduction. The recovery that followed built communicators whose context ids
+    differ between ranks (a ``Shrink`` that made context id 1 on one rank), and the job stalled at
+    the commit deadline (45 s) or ob1 aborted a rank on a message from a rank outside its
+    communicator. Why the agreement mixed is not known: Open MPI's ERA agreement
+    (ompi/mca/coll/ftagree/coll_ftagree_earlyreturning.c) keys every agreement of a process in one
+    table by the communicator's context id (16 bits), its epoch and a 16-bit sequence number, and
+    no collision of those keys was found. A world whose agreements mix cannot repair itself, so the
+    rank that sees one ends the job at once (``MPI_Abort`` on ``comm``: the runtime ends every
+    process of it), and the supervisor relaunches it from node memory in seconds.
+    The other exceptions of ``Agree`` (a failure, a revoke) are the caller's."""
+    result = comm.Agree(value)
+    if result & ~valid or result & ~value:
+        import sys
+
+        print(
+            f"[nanotron-recover] pid {os.getpid()}: the {what} agreement returned {result:#x}, which no "
+            f"rank can have contributed (this rank's {value:#x}, valid bits {valid:#x}): Open MPI's agreements are mixed up; "
+            "ending the job for a relaunch from node memory",
+            file=sys.stderr,
+            flush=True,
+        )
+        comm.Abort(ABORT_CORRUPT_AGREEMENT)
+    return result
+
+
 def revoke_comm(comm: MPI.Comm | None) -> None:
     """Revoke ``comm`` (None and ``COMM_NULL`` are skipped), ignoring errors."""
     if comm is None or comm == MPI.COMM_NULL:
@@ -168,9 +200,11 @@ def retire_comm(comm: MPI.Comm | None) -> None:
 
 
 __all__ = [
+    "ABORT_CORRUPT_AGREEMENT",
     "FAULT_ERROR_CLASSES",
     "LIBNBC_FAULT_ERROR_CLASSES",
     "MPI",
+    "agree",
     "creation_failed",
     "retire_comm",
     "is_fault",

@@ -6,8 +6,8 @@ sandialabs/Fenix#136); with the fix loaded they finish the creation, shrink and 
 ``tests/helpers/mpi_workers/rank_fixes_worker.py`` on 3 ranks, the last one SIGKILLed as it enters
 ``ompi_comm_activate`` of a ``Dup`` (``die_in_activate.c``). A hang fails through the job's timeout.
 
-The stray-fragment guard and the abort's reason: a crafted ob1 fragment handed to the transport's
-receive callback, and ``MPI_Abort``, in one process.
+The launch filter: a crafted TCP handshake from "another launch"; the abort's reason: ``MPI_Abort``
+in one process.
 """
 
 from __future__ import annotations
@@ -144,45 +144,22 @@ def test_a_rank_open_mpi_aborts_says_why_on_stderr(tmp_path):
     assert bare.returncode != 0 and "Open MPI aborts this rank" not in bare.stderr, bare.stderr[-2000:]
 
 
-_STRAY_FRAGMENT = """
-import ctypes, os
-from nanotron_recover.ft import rank_fixes
-from nanotron_recover.ft.ulfm import MPI
-
-class Segment(ctypes.Structure):  # mca_btl_base_segment_t
-    _fields_ = [("addr", ctypes.c_void_p), ("len", ctypes.c_uint64)]
-
-class Descriptor(ctypes.Structure):  # mca_btl_base_receive_descriptor_t
-    _fields_ = [("endpoint", ctypes.c_void_p), ("segments", ctypes.POINTER(Segment)),
-                ("count", ctypes.c_size_t), ("tag", ctypes.c_uint8), ("cbdata", ctypes.c_void_p)]
-
-class Callback(ctypes.Structure):  # mca_btl_active_message_callback_t
-    _fields_ = [("cbfunc", ctypes.c_void_p), ("cbdata", ctypes.c_void_p)]
-
-libmpi = ctypes.CDLL("libmpi.so.40", mode=os.RTLD_NOLOAD)
-table = (Callback * 255).in_dll(libmpi, "mca_btl_base_active_message_trigger")
-# An ob1 MATCH header for MPI_COMM_SELF (context id 1) from rank 5, which it does not have.
-header = bytearray(64)
-header[0] = 0x41
-header[2:4] = (1).to_bytes(2, "little")
-header[4:8] = (5).to_bytes(4, "little")
-buf = (ctypes.c_char * len(header)).from_buffer(header)
-segment = Segment(ctypes.addressof(buf), len(header))
-desc = Descriptor(None, ctypes.pointer(segment), 1, 0x41, table[0x41].cbdata)
-print("guarded", rank_fixes._loaded is not None and table[0x41].cbfunc != 0, flush=True)
-receive = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(table[0x41].cbfunc)
-receive(None, ctypes.addressof(desc))
-print("alive", rank_fixes.dropped(), MPI.COMM_SELF.allreduce(1), flush=True)
-"""
-
-
-def test_a_message_from_a_rank_the_communicator_lacks_is_dropped_not_fatal(tmp_path):
-    """ob1 ends the rank (and the runtime the job) on a fragment whose source rank is past its
-    communicator's size. With the library, the transport's callback for it returns, the fragment is
-    dropped and said, and MPI goes on; without it, the same fragment ends the process."""
-    fixed = _python(_STRAY_FRAGMENT, rank_fixes.rank_env(tmp_path))
-    assert "guarded True" in fixed.stdout, fixed.stdout + fixed.stderr[-2000:]
-    assert "alive 1 1" in fixed.stdout, fixed.stdout + fixed.stderr[-2000:]
-    assert "dropped a message for context id 1 from rank 5" in fixed.stderr, fixed.stderr[-2000:]
-    bare = _python(_STRAY_FRAGMENT, {rank_fixes.ENV: ""})
-    assert bare.returncode != 0 and "alive" not in bare.stdout, bare.stdout + bare.stderr[-2000:]
+def test_a_connection_from_another_launch_is_refused(tmp_path):
+    """A process of another launch dials a rank's TCP port (a crafted handshake with another job's
+    name, as a process of an earlier launch still running on a node would send). Open MPI alone
+    takes the name for one of its own job; with the library the rank refuses it, says so, and MPI
+    goes on."""
+    out = tmp_path / "fixed"
+    out.mkdir()
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self"]
+    cmd += ["-n", "2", sys.executable, str(WORKERS / "foreign_connection_worker.py"), str(out)]
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    env.update(rank_fixes.rank_env(tmp_path))
+    log = wait_mpirun(start_mpirun(cmd, env), RUN_TIMEOUT_S)
+    assert "refused a connection from process 1 of job family" in log, log[-4000:]
+    assert "rank1: allreduce 2 refused 1" in log and "rank0: allreduce 2" in log, log[-4000:]
+    bare_out = tmp_path / "bare"
+    bare_out.mkdir()
+    env[rank_fixes.ENV] = ""
+    bare = wait_mpirun(start_mpirun([*cmd[:-1], str(bare_out)], env), RUN_TIMEOUT_S)
+    assert "appears to be part of this MPI job" in bare and "refused a connection" not in bare, bare[-4000:]
