@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from .failstop import fail_stop
 from .processes import ProcessInfo, reap, still_running
 from .topology import RankCoords
-from .ulfm import MPI, agree, creation_failed, is_fault, retire_comm, revoke_comm
+from .ulfm import MPI, agree, agreement, creation_failed, is_fault, retire_comm, revoke_comm
 from .world import RecoveryResult
 
 if TYPE_CHECKING:
@@ -217,7 +217,8 @@ def shrink(comm: MPI.Comm, rank: int) -> MPI.Comm:
     if it has to give up."""
     for _ in range(MAX_SHRINK_ATTEMPTS):
         try:
-            shrunk = comm.Shrink()
+            with agreement():  # its context id is agreed (ulfm.agreement)
+                shrunk = comm.Shrink()
         except MPI.Exception as exc:
             # Shrink allocates its context id through the same gate as every creation (not
             # through libnbc: its allreduces are agreements), so it is reopened here too.

@@ -15,6 +15,9 @@ never reached before hung in a ``PMIx_Get``); and ``OMPI_MCA_btl_tcp_eager_limit
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from .transport import eager_limit_env
 
@@ -122,6 +125,45 @@ def creation_failed(exc: BaseException, *, libnbc: bool = True) -> bool:
     return is_fault(exc, libnbc=libnbc)
 
 
+# Held by the main thread while it is inside one of Open MPI's agreements (``Agree``, ``Shrink``);
+# a helper thread that makes MPI progress (the failure watch, ``watch.py``) skips its poll while
+# it is held. See :func:`agreement`.
+_AGREEMENT = threading.Lock()
+
+
+@contextmanager
+def agreement() -> Iterator[None]:
+    """The main thread's side: run an agreement (``Agree``, or ``Shrink``, whose context id is
+    agreed through the same mechanism) with no other thread making MPI progress meanwhile.
+
+    Open MPI 5.0.x's ERA agreement (ompi/mca/coll/ftagree/coll_ftagree_earlyreturning.c) can hand
+    a rank a value that is not the agreement's when another thread of the process makes progress
+    while it is inside one: the decision can reach this rank, and the next agreement's messages
+    from faster peers garbage-collect the decided value, before this rank's request is attached to
+    it (``mca_coll_ftagree_iera_intra``: the value is looked up again at completion, and the failed
+    lookup's result, unchecked outside debug builds, is copied out). Measured with plain mpi4py
+    (3 ranks on one CPU with two busy processes, a thread polling ``MPI_Test`` on another
+    communicator without pause): 95 and 92 of 40,000 agreements returned wrong values on two of the
+    ranks, pointer-like ones such as ``-0x10e2b2e8`` and uniform ones such as ``0xdf8``; with the
+    thread kept out during each agreement, 0 of 40,000 (``tests/integration/ft/test_ulfm.py``).
+    The same values ended jobs in the chaos campaigns (a step agreement of one rank returned
+    ``-0x47505fa8`` while the others still reduced; the recovery that followed built communicators
+    with clashing context ids). The main thread makes progress itself while it waits in an
+    agreement, so heartbeats and failure notices go on."""
+    with _AGREEMENT:
+        yield
+
+
+def helper_may_progress() -> bool:
+    """A helper thread's side: True if it may make MPI progress now (then it must call
+    :func:`helper_done` after); False while the main thread is inside an agreement."""
+    return _AGREEMENT.acquire(blocking=False)
+
+
+def helper_done() -> None:
+    _AGREEMENT.release()
+
+
 # mpirun's exit status when a rank ended the job over a corrupted agreement (:func:`agree`).
 ABORT_CORRUPT_AGREEMENT = 86
 
@@ -131,19 +173,18 @@ def agree(comm: MPI.Comm, value: int, valid: int, what: str) -> int:
     contributed, so a result with a bit this rank did not set, or outside ``valid`` (every bit any
     participant of this agreement can set), was contributed by no one.
 
-    Seen in the chaos campaigns on the emulated cluster, with no fault near: a step's agreement
+    The agreement runs under :func:`agreement`, which keeps the race behind such values away. The
+    check stays as the last line: seen in the chaos campaigns before that fix, a step's agreement
     returned values such as ``0x37838ad8`` and ``-0x47505fa8`` on one rank while the others were
-    still in the step's reduction. The recovery that followed built communicators whose context ids
-    differ between ranks (a ``Shrink`` that made context id 1 on one rank), and the job stalled at
-    the commit deadline (45 s) or ob1 aborted a rank on a message from a rank outside its
-    communicator. Why the agreement mixed is not known: Open MPI's ERA agreement
-    (ompi/mca/coll/ftagree/coll_ftagree_earlyreturning.c) keys every agreement of a process in one
-    table by the communicator's context id (16 bits), its epoch and a 16-bit sequence number, and
-    no collision of those keys was found. A world whose agreements mix cannot repair itself, so the
-    rank that sees one ends the job at once (``MPI_Abort`` on ``comm``: the runtime ends every
-    process of it), and the supervisor relaunches it from node memory in seconds.
+    still in the step's reduction; the recovery that followed built communicators whose context
+    ids differ between ranks (a ``Shrink`` that made context id 1 on one rank), and the job stalled
+    at the commit deadline (45 s) or ob1 aborted a rank on a message from a rank outside its
+    communicator. A world whose agreements disagree cannot repair itself, so the rank that sees one
+    ends the job at once (``MPI_Abort`` on ``comm``: the runtime ends every process of it), and the
+    supervisor relaunches it from node memory in seconds.
     The other exceptions of ``Agree`` (a failure, a revoke) are the caller's."""
-    result = comm.Agree(value)
+    with agreement():
+        result = comm.Agree(value)
     if result & ~valid or result & ~value:
         import sys
 
@@ -205,6 +246,9 @@ __all__ = [
     "LIBNBC_FAULT_ERROR_CLASSES",
     "MPI",
     "agree",
+    "agreement",
+    "helper_done",
+    "helper_may_progress",
     "creation_failed",
     "retire_comm",
     "is_fault",

@@ -13,6 +13,8 @@ reads the failed group (``MPI_Comm_get_failed``), acknowledges it so the next re
 *new* failures only, reports the newly failed initial ranks to a callback, and posts a new
 receive. It polls with ``Test`` every ``poll_s`` (MPI is initialized with ``MPI_THREAD_MULTIPLE``).
 
+It skips its poll while the main thread is inside an agreement (:func:`.ulfm.agreement`: another
+thread's progress then can corrupt the agreement's value in Open MPI 5.0.x).
 The thread's polling is also what carries ULFM's heartbeats while the main thread computes (the
 detector runs without a thread of its own, see :mod:`.heartbeat`), so there is one watch per
 process (:func:`ensure_watch`), started right after ``MPI_Init``; callbacks subscribe to it.
@@ -32,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from mpi4py import MPI
+from .ulfm import MPI, helper_done, helper_may_progress
 
 _TAG = 0x7A7C  # never sent by anyone
 
@@ -88,8 +90,14 @@ class FailureWatch:
         buf = bytearray(1)
         request = comm.Irecv(buf, source=MPI.ANY_SOURCE, tag=_TAG)
         while not stop.is_set():
+            if not helper_may_progress():
+                stop.wait(self._poll_s)  # the main thread is inside an agreement (ulfm.agreement)
+                continue
             try:
-                request.Test()
+                try:
+                    request.Test()
+                finally:
+                    helper_done()
             except MPI.Exception:
                 noticed = time.time()
                 try:

@@ -1,14 +1,30 @@
-"""``ft/ulfm.py``'s checked agreement: a result with a bit no participant can set ends the job.
+"""``ft/ulfm.py``'s agreements: no other thread makes progress during one, and a result with a bit
+no participant can set ends the job.
 
-Run in a child process (importing ``ft.ulfm`` initializes MPI), on a stand-in communicator whose
-``Agree`` returns what the test says and whose ``Abort`` records the call.
+The check runs in a child process (importing ``ft.ulfm`` initializes MPI), on a stand-in
+communicator whose ``Agree`` returns what the test says and whose ``Abort`` records the call. The
+race runs ``tests/helpers/mpi_workers/agreement_race_worker.py`` on 3 ranks.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.mpirun_utils import start_mpirun, wait_mpirun
+
+WORKERS = Path(__file__).resolve().parents[3] / "tests" / "helpers" / "mpi_workers"
+MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+# 5,000 agreements per run (about 25 s here): the bare run got 43 wrong values in 15,000 over
+# three ranks, so the chance that it shows none is negligible.
+RACE_AGREEMENTS = 5000
+RACE_TIMEOUT_S = 240.0
 
 _CHILD = """
 import json, sys
@@ -54,3 +70,27 @@ def test_agree_passes_valid_results_and_ends_the_job_on_bits_no_rank_set():
     assert [results[k][2] for k in ("garbage", "high bit", "not mine")] == [86, 86, 86], results
     assert "the garbage agreement returned -0x47505fa8, which no rank can have contributed" in stderr
     assert "the high bit agreement returned 0x37838ad8" in stderr
+
+
+def _race(mode: str, agreements: int) -> list[dict]:
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--bind-to", "none"]
+    cmd += ["--mca", "coll", "^han,cuda", "--mca", "btl", "tcp,self", "-n", "3", sys.executable]
+    cmd += [str(WORKERS / "agreement_race_worker.py"), mode, "--agreements", str(agreements)]
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    log = wait_mpirun(start_mpirun(cmd, env), RACE_TIMEOUT_S)
+    ranks = [json.loads(line[line.index("{") :]) for line in log.splitlines() if '"wrong"' in line]
+    assert len(ranks) == 3, log[-4000:]
+    return ranks
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun (Open MPI with ULFM) not available")
+def test_an_agreement_with_another_thread_making_progress_returns_wrong_values_unless_kept_out():
+    """Open MPI 5.0.x's agreement returns values no rank contributed when another thread of the
+    process makes MPI progress during it (``ulfm.agreement``); keeping the helper thread out while
+    the main thread agrees gives every agreement its value. If the first assertion fails, Open MPI
+    no longer has the race and the lock can go."""
+    bare = _race("bare", RACE_AGREEMENTS)
+    assert sum(r["wrong"] for r in bare) >= 1, bare
+    fixed = _race("fixed", RACE_AGREEMENTS)
+    assert [r["wrong"] for r in fixed] == [0, 0, 0], fixed
