@@ -5,8 +5,8 @@ Run under ``mpirun --mca btl tcp,self`` on 2 ranks, MPI imported through ``nanot
 ports to ``<out>/ports``; rank 0 dials each and sends the transport's handshake (process name, then
 the magic string, ``mca_btl_tcp_endpoint_hs_msg_t`` in opal/mca/btl/tcp/btl_tcp_endpoint.h) with
 the name of a process of another job family, as a process of an earlier launch would. Rank 1 makes
-progress meanwhile, then both reduce over ``MPI_COMM_WORLD`` and print the sum and how many
-connections rank 1 refused.
+progress meanwhile, then both reduce over ``MPI_COMM_WORLD`` and write ``<out>/rank<r>.txt``: the
+sum and how many connections they refused.
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ def main() -> None:
     while time.time() < deadline:
         world.Iprobe()  # progress, so that rank 1 handles the connection
         time.sleep(0.05)
-    print(
-        f"rank{world.Get_rank()}: allreduce {world.allreduce(1)} refused {rank_fixes.refused()}", flush=True
-    )
+    total = world.allreduce(1)
+    (out / f"rank{world.Get_rank()}.txt").write_text(f"allreduce {total} refused {rank_fixes.refused()}")
+    world.Barrier()
     os._exit(0)  # no MPI_Finalize (ulfm.py)
 
 
