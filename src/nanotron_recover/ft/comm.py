@@ -155,8 +155,6 @@ _STOP_BITS = 0xFF
 _KIND_SHIFT = 10
 AGREE_KINDS = ("join", "finish", "stop")
 _KIND_MASK = (1 << len(AGREE_KINDS)) - 1
-# Every bit a step agree's participant can set: a result with another one is corrupt (ulfm.agree).
-_AGREE_BITS = _FLAG | _NO_RECOVERY | (_STOP_BITS << _STOP_SHIFT) | (_KIND_MASK << _KIND_SHIFT)
 
 
 def _as_numpy(buf: Any) -> np.ndarray:
@@ -483,7 +481,7 @@ class FaultTolerantComm(GridPosition):
         self.in_ft_operation = True
         try:
             try:
-                value = agree(self._global, mine, _AGREE_BITS, "step")
+                value = agree(self._global, mine, "step")
             except MPI.Exception as exc:
                 if not is_fault(exc):
                     raise

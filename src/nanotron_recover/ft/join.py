@@ -256,7 +256,7 @@ def commit_join(ftc: FaultTolerantComm, pending: PendingJoin, ok: bool) -> bool:
     instead of returning."""
     spawned = ftc.global_comm is None
     try:
-        committed = agree(pending.merged, 1 if (ok and pending.ok) else 0, 1, "re-join's commit") == 1
+        committed = agree(pending.merged, 1 if (ok and pending.ok) else 0, "re-join's commit") == 1
     except MPI.Exception as exc:
         if not is_fault(exc):
             raise
@@ -295,7 +295,7 @@ def _stage_agree(
     (uniformly); a stage that failed without one (a spawn that cannot start) gives 0 to all."""
     why = f": {error.Get_error_string()}" if isinstance(error, MPI.Exception) else ""
     try:
-        agreed = agree(glob, 1 if ok else 0, 1, f"re-join's ({stage})")
+        agreed = agree(glob, 1 if ok else 0, f"re-join's ({stage})")
     except MPI.Exception as exc:
         if not is_fault(exc):
             raise

@@ -101,7 +101,7 @@ def shrink_world(ftc: FaultTolerantComm, trigger: str, *, detect_s: float, entry
     # 2. Entry agree: match the step agree of peers that are already there.
     if entry_agree:
         try:
-            agree(old_global, 0, 0, "recovery's entry")
+            agree(old_global, 0, "recovery's entry")
         except MPI.Exception as exc:
             if not is_fault(exc):
                 raise
@@ -147,7 +147,7 @@ def shrink_world(ftc: FaultTolerantComm, trigger: str, *, detect_s: float, entry
         seen_running = {r: still_running(before.processes[r]) for r in sorted(prev_members - set(members))}
 
         try:
-            committed = agree(shrunk, ok, 1, "recovery round's") == 1
+            committed = agree(shrunk, ok, "recovery round's") == 1
         except MPI.Exception as exc:
             if not is_fault(exc):
                 raise

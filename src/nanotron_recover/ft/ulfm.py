@@ -15,6 +15,7 @@ never reached before hung in a ``PMIx_Get``); and ``OMPI_MCA_btl_tcp_eager_limit
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -168,10 +169,10 @@ def helper_done() -> None:
 ABORT_CORRUPT_AGREEMENT = 86
 
 
-def agree(comm: MPI.Comm, value: int, valid: int, what: str) -> int:
+def agree(comm: MPI.Comm, value: int, what: str) -> int:
     """``comm.Agree(value)``, checked: an agreement returns the bitwise AND of what its participants
-    contributed, so a result with a bit this rank did not set, or outside ``valid`` (every bit any
-    participant of this agreement can set), was contributed by no one.
+    contributed, so a result with a bit this rank did not set was contributed by no one. (A wrong
+    value made only of bits every rank set passes: all ranks then got it, and recover together.)
 
     The agreement runs under :func:`agreement`, which keeps the race behind such values away. The
     check stays as the last line: seen in the chaos campaigns before that fix, a step's agreement
@@ -185,12 +186,10 @@ def agree(comm: MPI.Comm, value: int, valid: int, what: str) -> int:
     The other exceptions of ``Agree`` (a failure, a revoke) are the caller's."""
     with agreement():
         result = comm.Agree(value)
-    if result & ~valid or result & ~value:
-        import sys
-
+    if result & ~value:
         print(
             f"[nanotron-recover] pid {os.getpid()}: the {what} agreement returned {result:#x}, which no "
-            f"rank can have contributed (this rank's {value:#x}, valid bits {valid:#x}): Open MPI's agreements are mixed up; "
+            f"rank can have contributed (this rank's {value:#x}): Open MPI's agreements are mixed up; "
             "ending the job for a relaunch from node memory",
             file=sys.stderr,
             flush=True,

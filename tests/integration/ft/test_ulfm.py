@@ -40,9 +40,9 @@ class Comm:
         self.aborted = code
 
 out = {}
-for name, result, mine, valid in json.loads(sys.argv[1]):
+for name, result, mine in json.loads(sys.argv[1]):
     comm = Comm(result)
-    out[name] = [ulfm.agree(comm, mine, valid, name), comm.contributed, comm.aborted]
+    out[name] = [ulfm.agree(comm, mine, name), comm.contributed, comm.aborted]
 print(json.dumps(out))
 """
 
@@ -58,11 +58,11 @@ def _run(cases: list) -> tuple[dict, str]:
 def test_agree_passes_valid_results_and_ends_the_job_on_bits_no_rank_set():
     results, stderr = _run(
         [
-            ["step", 0x1FFD, 0x1FFF, 0x1FFF],  # an AND of contributions: within the bits
-            ["commit", 0, 1, 1],  # another rank contributed 0
-            ["garbage", -0x47505FA8, 0x1FFF, 0x1FFF],  # seen in a campaign
-            ["high bit", 0x37838AD8, 1, 1],
-            ["not mine", 0x3, 0x1, 0x1FFF],  # a bit this rank did not set, inside the valid ones
+            ["step", 0x1FFD, 0x1FFF],  # an AND of contributions: within this rank's bits
+            ["commit", 0, 1],  # another rank contributed 0
+            ["garbage", -0x47505FA8, 0x1FFF],  # seen in a campaign
+            ["high bit", 0x37838AD8, 1],
+            ["not mine", 0x3, 0x1],  # a bit this rank did not set
         ]
     )
     assert results["step"] == [0x1FFD, 0x1FFF, None]
