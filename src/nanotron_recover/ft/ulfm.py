@@ -142,11 +142,11 @@ def agreement() -> Iterator[None]:
     while it is inside one: the decision can reach this rank, and the next agreement's messages
     from faster peers garbage-collect the decided value, before this rank's request is attached to
     it (``mca_coll_ftagree_iera_intra``: the value is looked up again at completion, and the failed
-    lookup's result, unchecked outside debug builds, is copied out). Measured with plain mpi4py
-    (3 ranks on one CPU with two busy processes, a thread polling ``MPI_Test`` on another
-    communicator without pause): 95 and 92 of 40,000 agreements returned wrong values on two of the
-    ranks, pointer-like ones such as ``-0x10e2b2e8`` and uniform ones such as ``0xdf8``; with the
-    thread kept out during each agreement, 0 of 40,000 (``tests/integration/ft/test_ulfm.py``).
+    lookup's result, unchecked outside debug builds, is copied out). Measured on 3 ranks with two busy
+    processes beside them and the failure watch polling every 0.1 ms: without its side of this
+    lock, 9-20 of 20,000 agreements per rank returned wrong values, pointer-like ones such as
+    ``-0x10e2b2e8`` and uniform ones such as ``0x928``; with it, 0 of 20,000
+    (``benchmarks/agreement_race.py``, ``tests/integration/ft/test_ulfm.py``).
     The same values ended jobs in the chaos campaigns (a step agreement of one rank returned
     ``-0x47505fa8`` while the others still reduced; the recovery that followed built communicators
     with clashing context ids). The main thread makes progress itself while it waits in an

@@ -21,10 +21,13 @@ from tests.helpers.mpirun_utils import start_mpirun, wait_mpirun
 
 WORKERS = Path(__file__).resolve().parents[3] / "tests" / "helpers" / "mpi_workers"
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
-# 5,000 agreements per run (about 25 s here): the bare run got 43 wrong values in 15,000 over
-# three ranks, so the chance that it shows none is negligible.
-RACE_AGREEMENTS = 5000
-RACE_TIMEOUT_S = 240.0
+# The bare run stops at the first round with a wrong value: here it came after 500 to 21,500
+# agreements (eight runs); it gives up after BARE_AGREEMENTS. The fixed run makes FIXED_AGREEMENTS
+# (about 30 s here), which the bare watch did not get through once without a wrong value.
+BARE_AGREEMENTS = 60_000
+FIXED_AGREEMENTS = 20_000
+# About 1.5 ms per agreement on this machine with the busy processes; three times that under load.
+RACE_TIMEOUT_S = 3 * 0.0015 * BARE_AGREEMENTS + 60.0
 
 _CHILD = """
 import json, sys
@@ -72,10 +75,11 @@ def test_agree_passes_valid_results_and_ends_the_job_on_bits_no_rank_set():
     assert "the high bit agreement returned 0x37838ad8" in stderr
 
 
-def _race(mode: str, agreements: int) -> list[dict]:
+def _race(mode: str, agreements: int, *extra: str) -> list[dict]:
     cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--bind-to", "none"]
     cmd += ["--mca", "coll", "^han,cuda", "--mca", "btl", "tcp,self", "-n", "3", sys.executable]
-    cmd += [str(WORKERS / "agreement_race_worker.py"), mode, "--agreements", str(agreements)]
+    cmd += [str(WORKERS / "agreement_race_worker.py"), mode, "--agreements", str(agreements), *extra]
+    cmd += ["--hog-s", str(RACE_TIMEOUT_S)]
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     log = wait_mpirun(start_mpirun(cmd, env), RACE_TIMEOUT_S)
     ranks = [json.loads(line[line.index("{") :]) for line in log.splitlines() if '"wrong"' in line]
@@ -87,10 +91,10 @@ def _race(mode: str, agreements: int) -> list[dict]:
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun (Open MPI with ULFM) not available")
 def test_an_agreement_with_another_thread_making_progress_returns_wrong_values_unless_kept_out():
     """Open MPI 5.0.x's agreement returns values no rank contributed when another thread of the
-    process makes MPI progress during it (``ulfm.agreement``); keeping the helper thread out while
-    the main thread agrees gives every agreement its value. If the first assertion fails, Open MPI
-    no longer has the race and the lock can go."""
-    bare = _race("bare", RACE_AGREEMENTS)
+    process makes MPI progress during it (``ulfm.agreement``): the failure watch, polling without
+    its side of the lock, makes agreements go wrong; with it, every agreement gets its value. If
+    the first assertion fails, Open MPI no longer has the race and the lock can go."""
+    bare = _race("bare", BARE_AGREEMENTS, "--until-wrong")
     assert sum(r["wrong"] for r in bare) >= 1, bare
-    fixed = _race("fixed", RACE_AGREEMENTS)
-    assert [r["wrong"] for r in fixed] == [0, 0, 0], fixed
+    fixed = _race("fixed", FIXED_AGREEMENTS)
+    assert [(r["ran"], r["wrong"]) for r in fixed] == [(FIXED_AGREEMENTS, 0)] * 3, fixed

@@ -1,0 +1,53 @@
+"""``ft/watch.py``: the failure watch makes no MPI call while the main thread is inside an agreement.
+
+Runs in a child process (importing ``ft.watch`` initializes MPI) with a stand-in communicator
+whose receive request records, on every ``Test``, whether the main thread was inside
+``ulfm.agreement`` at that moment. That Open MPI's agreements go wrong without this is shown in
+``tests/integration/ft/test_ulfm.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+_CHILD = """
+import json, threading, time
+from nanotron_recover.ft import ulfm, watch
+
+inside = threading.Event()
+tests = {"outside": 0, "inside": 0}
+
+class Request:
+    def Test(self):
+        tests["inside" if inside.is_set() else "outside"] += 1
+        return False
+
+class Comm:
+    def Dup(self): return self
+    def Set_errhandler(self, handler): pass
+    def Get_group(self): return None
+    def Get_size(self): return 3
+    def Irecv(self, buf, source, tag): return Request()
+
+w = watch.FailureWatch(Comm(), poll_s=0.001)
+time.sleep(0.3)
+before = tests["outside"]
+with ulfm.agreement():
+    inside.set()
+    time.sleep(0.5)
+    inside.clear()
+time.sleep(0.3)
+w.stop()
+print(json.dumps({"before": before, "inside": tests["inside"], "after": tests["outside"] - before}))
+"""
+
+
+def test_the_watch_keeps_out_of_mpi_while_the_main_thread_agrees():
+    done = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    polls = json.loads(done.stdout.strip().splitlines()[-1])
+    # It polls before and after (every 1 ms), never during the agreement's 0.5 s.
+    assert polls["before"] > 0 and polls["after"] > 0, polls
+    assert polls["inside"] == 0, polls
