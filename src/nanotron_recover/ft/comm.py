@@ -134,12 +134,12 @@ import numpy as np
 
 from .failstop import fail_stop
 from .grid_position import GridPosition
-from .membership import Membership, shrink_world, split_derived
+from .membership import Membership, logical_members, shrink, shrink_world, split_derived
 from .partition import PartitionGuard
 from .processes import ProcessInfo, this_process
 from .topology import RankCoords, Topology
 from .transport import eager_slices
-from .ulfm import FAULT_ERROR_CLASSES, MPI, agree, is_fault, retire_comm
+from .ulfm import FAULT_ERROR_CLASSES, MPI, agree, creation_failed, is_fault, retire_comm, revoke_comm
 from .world import AllReplicasFailed, FTError, JoinFailed, JoinPlan, RecoveryResult, StaleEpoch, WorldChanged
 
 # Bits of the step agree. The agree is a bitwise AND, so a single rank that clears
@@ -204,7 +204,8 @@ class FaultTolerantComm(GridPosition):
         on_leave: called with the :class:`RecoveryResult` on a rank that must leave
             because its replica failed, just before it SIGKILLs itself
             (e.g. to log the incident). Exceptions from it are ignored.
-        fault_hook: fault injection; called with a point name
+        fault_hook: fault injection; called with a point name (``"start:dup"``,
+            ``"start:split"``, ``"start:gathered"``) while the first world is built,
             (``"recover:enter"``, ``"recover:revoked"``, ``"recover:shrunk"``,
             ``"recover:split"``, ``"recover:committed"``) during recovery, and
             (``"join:spawned"``, ``"join:merged"``) on a member during a re-join.
@@ -214,8 +215,9 @@ class FaultTolerantComm(GridPosition):
         park_orphans: keep the alive ranks of a failed replica in the job, parked, for a
             later re-join (instead of letting them leave).
 
-    Construction is collective over ``comm`` and is not itself fault tolerant:
-    a failure before the first epoch exists is a failed launch.
+    Construction is collective over ``comm``. A process lost while the first world is built (a
+    crash, or one the heartbeat declared dead by mistake on a busy node) is repaired like any later
+    failure: see :meth:`_build_first_world`; the repair is in :attr:`startup_repair`.
     """
 
     def __init__(
@@ -234,18 +236,90 @@ class FaultTolerantComm(GridPosition):
         base = MPI.COMM_WORLD if comm is None else comm
         launched = _launched(tp, pp, n_replicas, launched_replicas, base.Get_size())
         self._setup(tp, pp, n_replicas, on_leave, fault_hook, park_orphans, launched)
-        self._global: MPI.Comm = base.Dup()
-        self._global.Set_errhandler(MPI.ERRORS_RETURN)
+        # The watch first: in a job it runs since MPI_Init (.heartbeat.start_mpi); started here, its
+        # duplicate of ``base`` is made before any process of it can have been lost.
+        self._start_watch(base, on_failure_notice)
         # Logical rank (the place in the grid) of each rank of the global communicator. At launch
         # it is the launch rank; a process spawned by a re-join takes the logical rank of the dead
         # process it replaces. Failed ranks are always reported as logical ranks.
         self._logical: list[int] = list(range(base.Get_size()))
-        self.coords: RankCoords = self.topology.coords(self._global.Get_rank())
-        self._replica_comm, self._dp_comm = split_derived(self._global, self.coords, active=True)
+        self.coords: RankCoords = self.topology.coords(base.Get_rank())
         # Who is who: (host, pid) of every logical rank, to tell a hung failed rank from a crashed
         # one and to remove it for good (replaced when a re-join spawns a new process there).
-        self.processes: list[ProcessInfo] = self._global.allgather(this_process(self.coords.rank))
-        self._start_watch(base, on_failure_notice)
+        self.processes: list[ProcessInfo] = []
+        self._global: MPI.Comm | None = None
+        # The recovery that repaired a process lost while the first world was built (None: none
+        # was lost then); the caller records it as an incident of the start.
+        self.startup_repair: RecoveryResult | None = None
+        self._build_first_world(base)
+
+    def _build_first_world(self, base: MPI.Comm) -> None:
+        """The global communicator (a ``Dup`` of ``base``), its replica and DP communicators, and
+        the process table; repaired in place if a process is lost meanwhile.
+
+        Every rank tries to build the world, then all agree on ``base`` whether every rank did.
+        (A ``Dup`` or ``Split`` torn by a failure can fail on some ranks and return on others; a
+        rank whose creation returned still fails in the next one, or in the allgather, since the
+        failed process is a member; the agreement raises on every rank when a process of ``base``
+        failed, as no rank acknowledges failures on it.) Without a failure, that is the world of
+        epoch 0. Otherwise the survivors shrink ``base`` and run a recovery on the result, as for
+        a failure in a step: the replicas the lost processes belonged to are lost, their other
+        ranks leave (nothing to park: no state yet), and the world of epoch 1 is the job's first.
+        A rank lost at start-up then is an incident like any later one, not a failed launch.
+        """
+        ok = 1
+        glob = replica = dp = None
+        dup_failed = False
+        try:
+            self.fault_point("start:dup")
+            try:
+                glob = base.Dup()
+            except MPI.Exception:
+                dup_failed = True
+                raise
+            glob.Set_errhandler(MPI.ERRORS_RETURN)
+            self.fault_point("start:split")
+            replica, dp = split_derived(glob, self.coords, active=True)
+            processes = glob.allgather(this_process(self.coords.rank))
+            self.fault_point("start:gathered")
+        except MPI.Exception as exc:
+            # A torn creation from ``base`` (context id 0 for MPI_COMM_WORLD) leaves Open MPI's
+            # context-id allocator open to ``base`` only (.ulfm.reset_cid_gate): the Shrink of
+            # ``base`` below passes it and reopens it; a local Dup of MPI_COMM_SELF would wait.
+            if not (is_fault(exc) if dup_failed else creation_failed(exc)):
+                raise
+            ok = 0
+            revoke_comm(glob)  # wake ranks still blocked in the derived splits
+        try:
+            built = agree(base, ok, "first world's") == 1
+        except MPI.Exception as exc:
+            if not is_fault(exc):
+                raise
+            built = False
+        if built:
+            self._global, self._replica_comm, self._dp_comm = glob, replica, dp
+            self.processes = processes
+            return
+        for c in (dp, replica, glob):
+            retire_comm(c)
+        # What the failed processes were is unknown here (no table was gathered): an unknown host
+        # is not looked at for a hung process; the survivors' entries are filled in at the end of
+        # the recovery.
+        n = base.Get_size()
+        self.processes = [ProcessInfo(rank=r, host="", pid=0, start_ticks=None) for r in range(n)]
+        self.processes[self.coords.rank] = this_process(self.coords.rank)
+        self._global = shrink(base, self.coords.rank)
+        base_group = base.Get_group()
+        try:
+            self._logical = logical_members(self._global, base_group, list(range(n)))
+        finally:
+            base_group.Free()
+        self._replica_comm = self._dp_comm = None
+        park, self._park_orphans = self._park_orphans, False
+        try:
+            self.startup_repair = self._recover("start-up", detect_s=0.0, entry_agree=False)
+        finally:
+            self._park_orphans = park
 
     @classmethod
     def spawned(
@@ -577,12 +651,17 @@ class FaultTolerantComm(GridPosition):
         # left the fault-free curve with the same ids: survivors summing different steps. The one
         # that raised is one step behind; it learns it here and commits the step it holds
         # (step.py) instead of redoing it.
+        # Each member's own process entry comes along: the table is whole again after a recovery
+        # of the first world, which starts without one (:meth:`_build_first_world`).
         try:
-            newest = max(self._global.allgather(self.last_commit))
+            gathered = self._global.allgather((self.last_commit, this_process(self.coords.rank)))
         except MPI.Exception as exc:
             if not is_fault(exc):
                 raise
             return self._recover(trigger, detect_s=detect_s, entry_agree=True)
+        for _, info in gathered:
+            self.processes[info.rank] = info
+        newest = max(commit for commit, _ in gathered)
         return dataclasses.replace(result, newest_commit=newest)
 
 

@@ -11,7 +11,8 @@ what it saw; the pytest side asserts on those files. Each iteration is one "step
 3. on ``WorldChanged`` the step is redone from the snapshot in the new epoch.
 
 ``--kill-in-recover RANK:POINT`` makes RANK SIGKILL itself when its first recovery
-reaches POINT (a ``FaultTolerantComm`` fault-hook point name). A rank that is told
+reaches POINT (a ``FaultTolerantComm`` fault-hook point name; the ``start:*`` ones are passed
+while the first world is built). A rank that is told
 to leave records the ``RecoveryResult`` from the ``on_leave`` hook, then dies. ``--watch`` starts the
 failure watch and records every failure it reports, with its wall-clock time.
 """
@@ -109,6 +110,8 @@ def main() -> None:
     )
     topo = Topology(tp=args.tp, pp=args.pp, n_replicas=args.replicas)
     c = topo.coords(rank)
+    if comm.startup_repair is not None:
+        record["startup_repair"] = comm.startup_repair.as_dict()
     record.update(
         replica=comm.replica,
         pp=comm.pp_rank,

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from nanotron_recover.ft import rank_fixes as rank_fixes_module
 from nanotron_recover.ft.topology import Topology
 from nanotron_recover.launcher import heartbeat_flags
 from tests.helpers.mpirun_utils import kill_tree, rank_results, start_mpirun, wait_mpirun
@@ -39,9 +40,15 @@ HEARTBEAT = heartbeat_flags((0.5, 2.0))
 
 
 def start_worker(
-    tmp_path: Path, n: int, *args: str, mca: list[str] | None = None, btl: str = "^ofi"
+    tmp_path: Path,
+    n: int,
+    *args: str,
+    mca: list[str] | None = None,
+    btl: str = "^ofi",
+    rank_fixes: bool = False,
 ) -> tuple[subprocess.Popen, Path]:
-    """Start the worker on ``n`` ranks in a process group of its own; returns (mpirun, its out dir)."""
+    """Start the worker on ``n`` ranks in a process group of its own; returns (mpirun, its out dir).
+    ``rank_fixes``: the ranks load ``ft/rank_fixes`` as a job's ranks do."""
     out = tmp_path / "out"
     out.mkdir()
     cmd = [
@@ -66,6 +73,9 @@ def start_worker(
         *args,
     ]
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    env.pop(rank_fixes_module.ENV, None)
+    if rank_fixes:
+        env.update(rank_fixes_module.rank_env(tmp_path))
     return start_mpirun(cmd, env), out
 
 
@@ -75,9 +85,11 @@ def finish_worker(proc: subprocess.Popen, out: Path) -> dict[int, dict[str, Any]
     return rank_results(out, proc.returncode, log)
 
 
-def run_worker(tmp_path: Path, n: int, *args: str, mca: list[str] | None = None) -> dict[int, dict[str, Any]]:
+def run_worker(
+    tmp_path: Path, n: int, *args: str, mca: list[str] | None = None, rank_fixes: bool = False
+) -> dict[int, dict[str, Any]]:
     """Run the worker on ``n`` ranks; return {rank: result} for the ranks that wrote one."""
-    return finish_worker(*start_worker(tmp_path, n, *args, mca=mca))
+    return finish_worker(*start_worker(tmp_path, n, *args, mca=mca, rank_fixes=rank_fixes))
 
 
 def survivors(results: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -255,6 +267,30 @@ def test_failure_between_shrink_and_commit(tmp_path: Path) -> None:
         assert ch["rounds"] == 2
         assert ch["failed_replicas"] == [1, 3] and ch["failed_ranks"] == [2, 6]
         assert [s["value"] for s in d["steps"]] == [10.0, 4.0, 4.0]
+
+
+@pytest.mark.parametrize("point", ["start:dup", "start:split", "start:gathered"])
+def test_rank_lost_while_the_first_world_is_built(tmp_path: Path, point: str) -> None:
+    """Rank 2 (replica 1) dies inside the construction: before the launch communicator's ``Dup``
+    (the survivors' ``Dup`` fails), after it (their splits fail), or after the process table was
+    gathered (only the agreement on the launch communicator tells). The survivors repair it in
+    place: the first world is epoch 1, without replica 1, and says so; rank 3 leaves. The ranks
+    load ``ft/rank_fixes`` as in a job: a failure notice during a creation crashes them without
+    it (tests/integration/ft/test_rank_fixes.py)."""
+    topo = Topology(tp=2, pp=1, n_replicas=3)
+    args = ("--tp", "2", "--replicas", "3", "--kill-in-recover", f"2:{point}")
+    res = run_worker(tmp_path, 6, *args, rank_fixes=True)
+    assert res[2]["killed_in_recover"] == point
+    assert_left(res, 3, {1})
+    assert_consistent_world(res, topo, [0, 2])
+    for d in survivors(res).values():
+        repair = d["startup_repair"]
+        assert (repair["old_epoch"], repair["new_epoch"]) == (0, 1), repair
+        assert repair["failed_replicas"] == [1] and repair["failed_ranks"] == [2], repair
+        assert repair["alive_replicas"] == [0, 2] and repair["trigger"] == "start-up", repair
+        assert d["initial_dp_size"] == 2 and d["initial_global_size"] == 4, d
+        assert d["final_epoch"] == 1 and d["changes"] == [], d
+        assert [(s["epoch"], s["value"]) for s in d["steps"]] == [(1, 4.0)] * 3, d["steps"]
 
 
 def test_failures_in_consecutive_steps(tmp_path: Path) -> None:

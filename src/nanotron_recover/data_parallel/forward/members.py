@@ -168,6 +168,8 @@ class Members:
         if not self.is_logger() or not self.current_generation():
             return
         for r in failed_ranks:
+            if self.s.ftc.processes[r].pid <= 0:
+                continue  # lost before the process table was gathered: nothing known to fence
             try:
                 path = self._fence_path(self.s.ftc.processes[r])
                 path.parent.mkdir(exist_ok=True)
@@ -217,7 +219,13 @@ class Members:
         """``<run_dir>/ranks.json``: host and pid of every rank, for operators (and tests); rewritten
         (atomically) when a re-join puts new processes in the grid."""
         ftc = self.s.ftc
-        table = [{**info.as_dict(), "replica": ftc.topology.replica_of(info.rank)} for info in ftc.processes]
+        # A process lost before the table was first gathered is unknown (pid 0): left out, so that
+        # nobody reading the table signals pid 0, which is their own process group.
+        table = [
+            {**info.as_dict(), "replica": ftc.topology.replica_of(info.rank)}
+            for info in ftc.processes
+            if info.pid > 0
+        ]
         path = self.s.run_dir / "ranks.json"
         try:
             write_text_atomically(path, json.dumps(table, indent=1) + "\n")

@@ -40,6 +40,7 @@ from ...failures import Phase, classify
 from ...ft.failstop import Watchdog
 from ...ft.faults import FaultInjector
 from ...ft.replica_world import init_replica_world
+from ...ft.topology import Topology
 from ...ft.world import AllReplicasFailed, RecoveryResult, WorldChanged
 from ...generation import Relaunch, read_generation, read_relaunch
 from ...parallel.context import ParallelContext
@@ -59,6 +60,9 @@ T = TypeVar("T")
 
 # The re-join stages of ft/join.py where an injected ``phase: rejoin`` fault may fire (its microbatch).
 JOIN_FAULT_POINTS = {"join:spawned": 2, "join:merged": 3}
+# The communicator's points while it builds the first world: ``phase: start`` faults of a first
+# launch (``step: 1``), by micro-batch index.
+START_FAULT_POINTS = {"start:dup": 0, "start:split": 1, "start:gathered": 2}
 
 
 def _ends_here(method: Callable[..., T]) -> Callable[..., T]:
@@ -118,13 +122,20 @@ class ForwardRecovery:
             self._guard_partitions()
             return joined.world, joined.ctx, joined
         launched = launched_replicas(s.cfg, MPI.COMM_WORLD.Get_size(), relaunched=s.generation > 0)
+        if s.generation == 0:
+            # Injected ``phase: start`` faults of a first launch strike while the first world is
+            # built (_comm_fault_point); the injector of the job proper is made below.
+            rank = MPI.COMM_WORLD.Get_rank()
+            replica = Topology(tp=p.inner, pp=p.pp, n_replicas=p.dp).coords(rank).replica
+            s.injector = FaultInjector(s.args, rank, replica, s.run_dir)
+            s.injector.begin_step(1, list(range(launched)))
         # A replica is p.inner x p.pp ranks: tp ranks (3D) or shard ranks (HSDP) along the inside.
         s.ftc = FaultTolerantComm(p.inner, p.pp, p.dp, launched_replicas=launched, **callbacks)
         s.my_replica_ranks = s.replica_ranks()
         world = init_replica_world(s.ftc)
         ctx = ParallelContext.create(p.inner, p.pp, 1, world.device)
         s.injector = FaultInjector(s.args, s.ftc.rank, s.ftc.replica, s.run_dir)
-        if s.ftc.rank == 0:
+        if s.ftc.rank == min(s.ftc.alive_ranks):  # rank 0 unless it was lost at start-up
             self.members.write_rank_table()
         self.members.watch_spawned_processes()
         self._guard_partitions()
@@ -140,9 +151,12 @@ class ForwardRecovery:
     def _comm_fault_point(self, point: str) -> None:
         """Injected faults at the communicator's own points: a member dying inside the re-join's
         spawn and merge stages (``phase: rejoin``, ``microbatch`` 2 and 3)."""
-        index = JOIN_FAULT_POINTS.get(point)
-        if index is not None and self.s.injector is not None:
-            self.s.injector.maybe_fail(Phase.REJOIN, index)
+        if self.s.injector is None:
+            return
+        if point in JOIN_FAULT_POINTS:
+            self.s.injector.maybe_fail(Phase.REJOIN, JOIN_FAULT_POINTS[point])
+        elif point in START_FAULT_POINTS:
+            self.s.injector.maybe_fail(Phase.START, START_FAULT_POINTS[point])
 
     # -- node-memory snapshots and relaunches ------------------------------------------------
     def _snapshot_store(self) -> NodeSnapshots | None:
@@ -267,6 +281,10 @@ class ForwardRecovery:
         from ...ft.ulfm import MPI, is_fault
 
         ftc = self.s.ftc
+        if ftc.startup_repair is not None:
+            # A process was lost while the first world was built (ft/comm.py): repaired there.
+            self._repair_start(ftc.startup_repair, "while the job started")
+            ftc.startup_repair = None
         while True:
             try:
                 errors = ftc.global_comm.allgather(error)

@@ -171,6 +171,31 @@ def test_rank_killed_from_outside_while_the_job_starts(tmp_path, plain):
     print(f"killed before step {killed_at_step + 1}; repaired at start-up: {repaired_at_start}")
 
 
+@pytest.mark.parametrize(
+    ("victim", "microbatch"),
+    [(3, 0), (0, 1), (3, 2)],
+    ids=["before_dup", "rank0_before_splits", "after_table"],
+)
+def test_rank_killed_while_the_first_world_is_built(tmp_path, plain, victim, microbatch):
+    """A rank dies inside the communicator's construction (``phase: start``, ``step: 1``): before
+    the launch communicator's ``Dup``, before the splits (rank 0, the logging rank), or after the
+    process table. The survivors repair it there: one incident of the start, the three replicas
+    left sum the same B = 8 micro-batches from step 1 on, and the rank table, written by the
+    lowest rank left, names no unknown process."""
+    fault = {"step": 1, "phase": "start", "rank": victim, "microbatch": microbatch}
+    alive = [r for r in range(4) if r != victim]
+    result = launch(tmp_path, W4 + recover([fault]))
+    assert_completed(result, tmp_path)
+    assert_curve(tmp_path, plain)
+    assert_replicas_identical(tmp_path, alive)
+    assert f"replicas [{victim}] lost while the job started; going on with 3" in result.output
+    (incident,) = read_incidents(tmp_path)
+    assert incident["failed_replicas"] == [victim] and incident["step"] == 1, incident
+    assert incident["phase"] == "start" and incident["alive_replicas"] == alive, incident
+    table = json.loads((tmp_path / "ranks.json").read_text())
+    assert sorted(r["rank"] for r in table) == alive and all(r["pid"] > 0 for r in table), table
+
+
 # -- faults during checkpoint saves ---------------------------------------------------------------
 def assert_latest_checkpoint_sound(run_dir: Path, step: int) -> None:
     ckpts = run_dir / "checkpoints"
