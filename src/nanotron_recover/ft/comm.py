@@ -139,7 +139,7 @@ from .partition import PartitionGuard
 from .processes import ProcessInfo, this_process
 from .topology import RankCoords, Topology
 from .transport import eager_slices
-from .ulfm import FAULT_ERROR_CLASSES, MPI, agree, creation_failed, is_fault, retire_comm, revoke_comm
+from .ulfm import FAULT_ERROR_CLASSES, MPI, agree, all_ok, creation_failed, is_fault, retire_comm, revoke_comm
 from .world import AllReplicasFailed, FTError, JoinFailed, JoinPlan, RecoveryResult, StaleEpoch, WorldChanged
 
 # Bits of the step agree. The agree is a bitwise AND, so a single rank that clears
@@ -267,7 +267,7 @@ class FaultTolerantComm(GridPosition):
         ranks leave (nothing to park: no state yet), and the world of epoch 1 is the job's first.
         A rank lost at start-up then is an incident like any later one, not a failed launch.
         """
-        ok = 1
+        ok = True
         glob = replica = dp = None
         dup_failed = False
         try:
@@ -288,15 +288,9 @@ class FaultTolerantComm(GridPosition):
             # ``base`` below passes it and reopens it; a local Dup of MPI_COMM_SELF would wait.
             if not (is_fault(exc) if dup_failed else creation_failed(exc)):
                 raise
-            ok = 0
+            ok = False
             revoke_comm(glob)  # wake ranks still blocked in the derived splits
-        try:
-            built = agree(base, ok, "first world's") == 1
-        except MPI.Exception as exc:
-            if not is_fault(exc):
-                raise
-            built = False
-        if built:
+        if all_ok(base, ok, "first world's"):
             self._global, self._replica_comm, self._dp_comm = glob, replica, dp
             self.processes = processes
             return

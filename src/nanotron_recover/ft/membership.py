@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from .failstop import fail_stop
 from .processes import ProcessInfo, reap, still_running
 from .topology import RankCoords
-from .ulfm import MPI, agree, agreement, creation_failed, is_fault, retire_comm, revoke_comm
+from .ulfm import MPI, agree, agreement, all_ok, creation_failed, is_fault, retire_comm, revoke_comm
 from .world import RecoveryResult
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ def shrink_world(ftc: FaultTolerantComm, trigger: str, *, detect_s: float, entry
         active = ftc.coords.replica in alive_replicas
         leaving = not active and not ftc.park_orphans
 
-        ok = 1
+        ok = True
         new_global: MPI.Comm | None = None
         new_replica: MPI.Comm | None = None
         new_dp: MPI.Comm | None = None
@@ -139,20 +139,14 @@ def shrink_world(ftc: FaultTolerantComm, trigger: str, *, detect_s: float, entry
             # context-id allocator closed to the next round's communicators (.ulfm.reset_cid_gate).
             if not creation_failed(exc):
                 raise
-            ok = 0
+            ok = False
             revoke_comm(new_global)  # wake survivors blocked in the derived splits
         ftc.fault_point("recover:split")
         # Which failed ranks still run on this host (frozen, not crashed): looked at before the
         # commit agree, so before any survivor kills them.
         seen_running = {r: still_running(before.processes[r]) for r in sorted(prev_members - set(members))}
 
-        try:
-            committed = agree(shrunk, ok, "recovery round's") == 1
-        except MPI.Exception as exc:
-            if not is_fault(exc):
-                raise
-            committed = False
-        if committed:
+        if all_ok(shrunk, ok, "recovery round's"):
             break
         for comm in (new_dp, new_replica, new_global):
             retire_comm(comm)

@@ -198,6 +198,18 @@ def agree(comm: MPI.Comm, value: int, what: str) -> int:
     return result
 
 
+def all_ok(comm: MPI.Comm, ok: bool, what: str) -> bool:
+    """Whether every member of ``comm`` contributed ``ok`` True and none failed: one agreement,
+    which raises a fault on every member when a process of ``comm`` failed (no failure on it was
+    acknowledged), so the answer is the same everywhere. Other exceptions are the caller's."""
+    try:
+        return agree(comm, int(ok), what) == 1
+    except MPI.Exception as exc:
+        if not is_fault(exc):
+            raise
+        return False
+
+
 def revoke_comm(comm: MPI.Comm | None) -> None:
     """Revoke ``comm`` (None and ``COMM_NULL`` are skipped), ignoring errors."""
     if comm is None or comm == MPI.COMM_NULL:
@@ -246,6 +258,7 @@ __all__ = [
     "MPI",
     "agree",
     "agreement",
+    "all_ok",
     "helper_done",
     "helper_may_progress",
     "creation_failed",
