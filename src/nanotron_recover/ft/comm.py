@@ -269,6 +269,7 @@ class FaultTolerantComm(GridPosition):
         """
         ok = True
         glob = replica = dp = None
+        processes: list[ProcessInfo] | None = None
         dup_failed = False
         try:
             self.fault_point("start:dup")
@@ -286,32 +287,48 @@ class FaultTolerantComm(GridPosition):
             # A torn creation from ``base`` (context id 0 for MPI_COMM_WORLD) leaves Open MPI's
             # context-id allocator open to ``base`` only (.ulfm.reset_cid_gate): the Shrink of
             # ``base`` below passes it and reopens it; a local Dup of MPI_COMM_SELF would wait.
-            if not (is_fault(exc) if dup_failed else creation_failed(exc)):
+            # ``Dup`` runs on libnbc, which may say ERR_OTHER for a fault.
+            if not (is_fault(exc, libnbc=True) if dup_failed else creation_failed(exc)):
                 raise
             ok = False
             revoke_comm(glob)  # wake ranks still blocked in the derived splits
         if all_ok(base, ok, "first world's"):
+            assert processes is not None
             self._global, self._replica_comm, self._dp_comm = glob, replica, dp
             self.processes = processes
             return
         for c in (dp, replica, glob):
             retire_comm(c)
-        # What the failed processes were is unknown here (no table was gathered): an unknown host
-        # is not looked at for a hung process; the survivors' entries are filled in at the end of
-        # the recovery.
         n = base.Get_size()
-        self.processes = [ProcessInfo(rank=r, host="", pid=0, start_ticks=None) for r in range(n)]
-        self.processes[self.coords.rank] = this_process(self.coords.rank)
-        self._global = shrink(base, self.coords.rank)
+        if processes is None:
+            # The table was not gathered here: a failed process is unknown (pid 0) until a
+            # survivor that has the table shares it at the end of the recovery (share_table).
+            processes = [ProcessInfo(rank=r, host="", pid=0, start_ticks=None) for r in range(n)]
+            processes[self.coords.rank] = this_process(self.coords.rank)
+        self.processes = processes
+        # The shrink of ``base`` passes the context-id gate a failed Dup of ``base`` left behind;
+        # so would its retry, but not the gate's reset (.membership.shrink's reset_gate).
+        self._global = shrink(base, self.coords.rank, reset_gate=not dup_failed)
         base_group = base.Get_group()
         try:
             self._logical = logical_members(self._global, base_group, list(range(n)))
         finally:
             base_group.Free()
+        # No side of a network cut at start-up may go on alone (partition guards start later, with
+        # the heartbeat files): the survivors must be more than half the launch, or half with
+        # launch rank 0. The other side stops here, before it writes anything.
+        kept = len(self._logical)
+        if 2 * kept < n or (2 * kept == n and 0 not in self._logical):
+            self._closed = True
+            self.stop_watch()
+            fail_stop(
+                f"rank {self.coords.rank}: {kept} of {n} launch ranks left while the first world was "
+                "built, not a majority: stopping rather than going on as one side of a cut"
+            )
         self._replica_comm = self._dp_comm = None
         park, self._park_orphans = self._park_orphans, False
         try:
-            self.startup_repair = self._recover("start-up", detect_s=0.0, entry_agree=False)
+            self.startup_repair = self._recover("start-up", detect_s=0.0, entry_agree=False, share_table=True)
         finally:
             self._park_orphans = park
 
@@ -606,7 +623,9 @@ class FaultTolerantComm(GridPosition):
         if self._fault_hook is not None:
             self._fault_hook(point)
 
-    def _recover(self, trigger: str, *, detect_s: float, entry_agree: bool) -> RecoveryResult:
+    def _recover(
+        self, trigger: str, *, detect_s: float, entry_agree: bool, share_table: bool = False
+    ) -> RecoveryResult:
         # 1-3. Revoke, entry agree, rounds until one commits (.membership; changes nothing here).
         new = shrink_world(self, trigger, detect_s=detect_s, entry_agree=entry_agree)
         result = new.result
@@ -645,17 +664,23 @@ class FaultTolerantComm(GridPosition):
         # left the fault-free curve with the same ids: survivors summing different steps. The one
         # that raised is one step behind; it learns it here and commits the step it holds
         # (step.py) instead of redoing it.
-        # Each member's own process entry comes along: the table is whole again after a recovery
-        # of the first world, which starts without one (:meth:`_build_first_world`).
+        # Each member's own process entry comes along, and with ``share_table`` (the recovery of
+        # the first world, :meth:`_build_first_world`) its whole table: a member that gathered it
+        # before the failure tells the others what the failed processes were.
+        mine = this_process(self.coords.rank)
         try:
-            gathered = self._global.allgather((self.last_commit, this_process(self.coords.rank)))
+            gathered = self._global.allgather((self.last_commit, mine, self.processes if share_table else []))
         except MPI.Exception as exc:
             if not is_fault(exc):
                 raise
-            return self._recover(trigger, detect_s=detect_s, entry_agree=True)
-        for _, info in gathered:
+            return self._recover(trigger, detect_s=detect_s, entry_agree=True, share_table=share_table)
+        for _, _, table in gathered:
+            for known in table:
+                if known.pid > 0 and self.processes[known.rank].pid <= 0:
+                    self.processes[known.rank] = known
+        for _, info, _ in gathered:
             self.processes[info.rank] = info
-        newest = max(commit for commit, _ in gathered)
+        newest = max(commit for commit, _, _ in gathered)
         return dataclasses.replace(result, newest_commit=newest)
 
 

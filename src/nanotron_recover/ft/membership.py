@@ -206,9 +206,11 @@ def shrink_world(ftc: FaultTolerantComm, trigger: str, *, detect_s: float, entry
     )
 
 
-def shrink(comm: MPI.Comm, rank: int) -> MPI.Comm:
+def shrink(comm: MPI.Comm, rank: int, *, reset_gate: bool = True) -> MPI.Comm:
     """``comm.Shrink()``, retried if a failure interrupts it; ``rank`` (logical) names this rank
-    if it has to give up."""
+    if it has to give up. ``reset_gate`` False: a creation from ``comm`` (the launch communicator,
+    context id 0) failed before, so the context-id gate's reset would wait
+    (:func:`.ulfm.reset_cid_gate`); the retried ``Shrink`` passes it without."""
     for _ in range(MAX_SHRINK_ATTEMPTS):
         try:
             with agreement():  # its context id is agreed (ulfm.agreement)
@@ -216,7 +218,7 @@ def shrink(comm: MPI.Comm, rank: int) -> MPI.Comm:
         except MPI.Exception as exc:
             # Shrink allocates its context id through the same gate as every creation (not
             # through libnbc: its allreduces are agreements), so it is reopened here too.
-            if not creation_failed(exc, libnbc=False):
+            if not (creation_failed(exc, libnbc=False) if reset_gate else is_fault(exc)):
                 raise
             # Open MPI's shrink completes despite failures (it agrees on the failed set
             # internally), so this is a belt-and-braces path: acknowledge what is known

@@ -53,7 +53,8 @@ def read_records(
     """Records of ranks among ``ranks`` (all if None) written at or after ``since``, oldest first.
 
     With ``pids`` (rank -> pid), only the records the process now at that rank wrote: after a
-    re-join a logical rank is a new process, and its predecessor's record is not its story."""
+    re-join a logical rank is a new process, and its predecessor's record is not its story. A rank
+    missing from ``pids`` (a process lost before the job knew its pid) keeps all its records."""
     out = []
     for f in sorted(faults_dir(run_dir).glob("step*_rank*.json")):
         try:
@@ -61,7 +62,8 @@ def read_records(
         except (OSError, ValueError):
             continue
         if (ranks is None or record.get("rank") in ranks) and record.get("time", 0.0) >= since:
-            if pids is not None and record.get("pid", pids.get(record["rank"])) != pids.get(record["rank"]):
+            pid = pids.get(record["rank"]) if pids is not None else None
+            if pid is not None and record.get("pid", pid) != pid:
                 continue
             out.append(record)
     return sorted(out, key=lambda r: r["time"])

@@ -293,6 +293,22 @@ def test_rank_lost_while_the_first_world_is_built(tmp_path: Path, point: str) ->
         assert [(s["epoch"], s["value"]) for s in d["steps"]] == [(1, 4.0)] * 3, d["steps"]
 
 
+def test_a_minority_left_while_the_first_world_is_built_stops(tmp_path: Path) -> None:
+    """Ranks 1 and 2 of 3 die before the launch communicator's ``Dup``: the one left is not a
+    majority of the launch (as one side of a cut network would not be), so it stops instead of
+    training alone."""
+    args = ("--tp", "1", "--replicas", "3", "--kill-in-recover", "1:start:dup")
+    args += ("--kill-in-recover", "2:start:dup")
+    proc, out = start_worker(tmp_path, 3, *args, rank_fixes=True)
+    log = wait_mpirun(proc, RUN_TIMEOUT_S)
+    res = rank_results(out, proc.returncode, log)
+    assert res[1]["killed_in_recover"] == "start:dup" and res[2]["killed_in_recover"] == "start:dup", res
+    assert 0 not in res, res  # rank 0 stopped before it wrote a result
+    assert "rank 0: 1 of 3 launch ranks left while the first world was built, not a majority" in log, log[
+        -3000:
+    ]
+
+
 def test_failures_in_consecutive_steps(tmp_path: Path) -> None:
     topo = Topology(tp=2, pp=1, n_replicas=4)
     res = run_worker(

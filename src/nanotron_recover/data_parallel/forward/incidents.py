@@ -68,8 +68,10 @@ class Incidents:
     ) -> tuple[Incident, list[dict]]:
         """The incident of one recovery, and the failure records of the ranks it lost."""
         s = self.s
-        pids = {r: s.ftc.processes[r].pid for r in result.failed_ranks}
-        hosts = sorted({s.ftc.processes[r].host for r in result.failed_ranks})
+        # A process lost before the process table was gathered is unknown (pid 0, no host).
+        known = [s.ftc.processes[r] for r in result.failed_ranks if s.ftc.processes[r].pid > 0]
+        pids = {p.rank: p.pid for p in known}
+        hosts = sorted({p.host for p in known})
         records = read_records(s.run_dir, list(result.failed_ranks), since=s.started, pids=pids)
         causes = [r for r in records if r["kind"] != Kind.PEER_ERROR]
         kinds = {r["kind"] for r in records}

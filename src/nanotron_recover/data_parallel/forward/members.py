@@ -77,8 +77,17 @@ class Members:
         fail_stop(f"{who} leaves: {kind} during {self.s.phase}")
 
     def on_leave(self, result: RecoveryResult) -> None:
-        """The communicator's callback before a rank of a failed replica leaves."""
+        """The communicator's callback before a rank of a failed replica leaves (also from inside
+        its construction, before ``s.ftc`` is set: a replica lost while the first world was built)."""
         ftc = self.s.ftc
+        if ftc is None:
+            print(
+                f"[nanotron-recover] launch rank {os.environ.get('OMPI_COMM_WORLD_RANK', '?')} leaves: its "
+                f"replica lost a process while the job started (epoch {result.old_epoch} -> {result.new_epoch})",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
         print(
             f"[nanotron-recover] rank {ftc.rank} leaves: replica {ftc.replica} failed "
             f"(epoch {result.old_epoch} -> {result.new_epoch})",

@@ -238,7 +238,7 @@ class Rejoin:
         fix (``ft/prrte_fix.py``). Decided alike on every member (the book, the processes' hosts
         and the launch's environment are alike); the stop is asked once."""
         s = self.s
-        hosts = {p.host for p in s.ftc.processes}
+        hosts = {p.host for p in s.ftc.processes if p.host}  # no host: never known (ft/comm.py)
         if self.spawn_fix or len(hosts) < 2 or not self.may_regrow():
             return False
         if self.book.spawns < s.args.rejoin.spawns_across_hosts:

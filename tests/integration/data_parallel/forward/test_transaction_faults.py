@@ -172,28 +172,38 @@ def test_rank_killed_from_outside_while_the_job_starts(tmp_path, plain):
 
 
 @pytest.mark.parametrize(
-    ("victim", "microbatch"),
-    [(3, 0), (0, 1), (3, 2)],
-    ids=["before_dup", "rank0_before_splits", "after_table"],
+    ("tp", "victim", "microbatch"),
+    [(1, 3, 0), (1, 0, 1), (2, 2, 2)],
+    ids=["before_dup", "rank0_before_splits", "tp2_after_table"],
 )
-def test_rank_killed_while_the_first_world_is_built(tmp_path, plain, victim, microbatch):
+def test_rank_killed_while_the_first_world_is_built(tmp_path, plain, tp, victim, microbatch):
     """A rank dies inside the communicator's construction (``phase: start``, ``step: 1``): before
     the launch communicator's ``Dup``, before the splits (rank 0, the logging rank), or after the
-    process table. The survivors repair it there: one incident of the start, the three replicas
-    left sum the same B = 8 micro-batches from step 1 on, and the rank table, written by the
-    lowest rank left, names no unknown process."""
+    process table (tp=2: its replica's other rank leaves, from inside the construction). The
+    survivors repair it there: one crash incident of the start, the three replicas left sum the
+    same B = 8 micro-batches from step 1 on, and the rank table, written by the lowest rank left,
+    names no unknown process."""
+    lost = victim // tp
+    alive = [r for r in range(4) if r != lost]
     fault = {"step": 1, "phase": "start", "rank": victim, "microbatch": microbatch}
-    alive = [r for r in range(4) if r != victim]
-    result = launch(tmp_path, W4 + recover([fault]))
+    result = launch(tmp_path, (W4 if tp == 1 else W4_TP2) + recover([fault]))
     assert_completed(result, tmp_path)
     assert_curve(tmp_path, plain)
     assert_replicas_identical(tmp_path, alive)
-    assert f"replicas [{victim}] lost while the job started; going on with 3" in result.output
+    assert f"replicas [{lost}] lost while the job started; going on with 3" in result.output
+    if tp == 2:
+        # Said by the leaving rank from inside the construction (not by a later start-up repair).
+        assert "its replica lost a process while the job started (epoch 0 -> 1)" in result.output
     (incident,) = read_incidents(tmp_path)
-    assert incident["failed_replicas"] == [victim] and incident["step"] == 1, incident
-    assert incident["phase"] == "start" and incident["alive_replicas"] == alive, incident
+    assert incident["failed_replicas"] == [lost] and incident["failed_ranks"] == [victim], incident
+    assert incident["step"] == 1 and incident["phase"] == "start" and incident["kind"] == "crash", incident
+    assert incident["alive_replicas"] == alive, incident
+    # The table names every rank left, and the lost ones only where they were known (gathered
+    # before the fault); never an unknown process (pid 0).
     table = json.loads((tmp_path / "ranks.json").read_text())
-    assert sorted(r["rank"] for r in table) == alive and all(r["pid"] > 0 for r in table), table
+    listed = {r["rank"] for r in table}
+    assert {r for rep in alive for r in range(rep * tp, rep * tp + tp)} <= listed, table
+    assert (victim in listed) == (microbatch == 2) and all(r["pid"] > 0 for r in table), table
 
 
 # -- faults during checkpoint saves ---------------------------------------------------------------
