@@ -241,7 +241,6 @@ class ForwardRecovery:
         incident.phase = Phase.START
         self.steps.carried.append(incident)
         self.members.fence(result.failed_ranks)
-        self.rejoin.note_failure(self.s.step, result)  # with re-join on, the lost replicas come back
         ftc = self.s.ftc
         if ftc.rank == min(ftc.alive_ranks):
             print(
