@@ -54,7 +54,7 @@ class FaultSpec:
     ``2`` right after the spawn returned and ``3`` right after the merge (a member, the root
     included: the stages where the spawned processes wait on the members); ``phase: start`` fires in
     a job relaunched from node memory while it restores its state, when ``step`` is the step the
-    relaunch would start with (the previous job's last commit + 1), and with ``step: 1`` in the
+    relaunch would start with (the previous job's last commit + 1), and with ``step: 0`` in the
     job's first launch while its first world is built (``microbatch`` 0 before the launch
     communicator's ``Dup``, 1 before the replica and DP splits, 2 after the process table).
 

@@ -717,7 +717,12 @@ def _validate_fault(cfg: Config, f: FaultSpec, where: str) -> None:
     micro-batch id of kind error, and phase save's checkpoints (the entry checks which fields its
     kind uses itself, :class:`~.recover.FaultSpec`)."""
     dp, world, steps = cfg.parallelism.dp, cfg.world_size, cfg.tokens.train_steps
-    if not 1 <= f.step <= steps:
+    if f.step == 0 and f.phase != Phase.START:
+        raise ConfigError(
+            f"{where}: step 0 is only for phase start (the first launch, while its first world is "
+            f"built); steps run 1..tokens.train_steps={steps}"
+        )
+    if not 0 <= f.step <= steps:
         raise ConfigError(f"{where}: step {f.step} is outside 1..tokens.train_steps={steps}")
     if f.kind == InjectedKind.ERROR:
         b = cfg.microbatches_per_step

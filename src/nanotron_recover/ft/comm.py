@@ -133,28 +133,17 @@ from typing import Any, NoReturn
 import numpy as np
 
 from .failstop import fail_stop
+from .first_world import build_first_world
 from .grid_position import GridPosition
-from .membership import Membership, logical_members, shrink, shrink_world, split_derived
+from .membership import Membership, shrink_world
 from .partition import PartitionGuard
-from .processes import ProcessInfo, this_process
+from .processes import ProcessInfo, fill_in, this_process
+from .step_bits import NO_RECOVERY, decode_follow, decode_step, encode_follow, encode_step
 from .topology import RankCoords, Topology
 from .transport import eager_slices
-from .ulfm import FAULT_ERROR_CLASSES, MPI, agree, all_ok, creation_failed, is_fault, retire_comm, revoke_comm
+from .ulfm import FAULT_ERROR_CLASSES, MPI, agree, is_fault, retire_comm
+from .watch import ensure_watch, stop_watch
 from .world import AllReplicasFailed, FTError, JoinFailed, JoinPlan, RecoveryResult, StaleEpoch, WorldChanged
-
-# Bits of the step agree. The agree is a bitwise AND, so a single rank that clears
-# NO_RECOVERY (the entry agree of a recovering rank contributes 0) pulls everyone in, and a single
-# rank that clears a stop bit stops everyone. Stop requests are small non-negative ints whose bits
-# live above _STOP_SHIFT.
-_FLAG = 0x1
-_NO_RECOVERY = 0x2
-_STOP_SHIFT = 2
-_STOP_BITS = 0xFF
-# What kind of global agree this is, for parked ranks (which contribute all ones and only follow):
-# each kind but "step" is one bit that the active ranks clear.
-_KIND_SHIFT = 10
-AGREE_KINDS = ("join", "finish", "stop")
-_KIND_MASK = (1 << len(AGREE_KINDS)) - 1
 
 
 def _as_numpy(buf: Any) -> np.ndarray:
@@ -217,7 +206,7 @@ class FaultTolerantComm(GridPosition):
 
     Construction is collective over ``comm``. A process lost while the first world is built (a
     crash, or one the heartbeat declared dead by mistake on a busy node) is repaired like any later
-    failure: see :meth:`_build_first_world`; the repair is in :attr:`startup_repair`.
+    failure (:mod:`.first_world`); the repair is in :attr:`startup_repair`.
     """
 
     def __init__(
@@ -236,101 +225,31 @@ class FaultTolerantComm(GridPosition):
         base = MPI.COMM_WORLD if comm is None else comm
         launched = _launched(tp, pp, n_replicas, launched_replicas, base.Get_size())
         self._setup(tp, pp, n_replicas, on_leave, fault_hook, park_orphans, launched)
-        # The watch first: in a job it runs since MPI_Init (.heartbeat.start_mpi); started here, its
-        # duplicate of ``base`` is made before any process of it can have been lost.
-        self._start_watch(base, on_failure_notice)
+        # The watch (it also carries the heartbeats, see .heartbeat) runs since MPI_Init in a job
+        # (.heartbeat.start_mpi); a program that starts it here makes its Dup of ``base`` before
+        # the first world's, outside that world's repair.
+        ensure_watch(base, on_failure_notice)
+        self.coords: RankCoords = self.topology.coords(base.Get_rank())
+        first = build_first_world(base, self.coords, self.fault_point)
+        self._global, self._replica_comm, self._dp_comm = first.global_comm, first.replica_comm, first.dp_comm
         # Logical rank (the place in the grid) of each rank of the global communicator. At launch
         # it is the launch rank; a process spawned by a re-join takes the logical rank of the dead
         # process it replaces. Failed ranks are always reported as logical ranks.
-        self._logical: list[int] = list(range(base.Get_size()))
-        self.coords: RankCoords = self.topology.coords(base.Get_rank())
+        self._logical: list[int] = first.logical
         # Who is who: (host, pid) of every logical rank, to tell a hung failed rank from a crashed
         # one and to remove it for good (replaced when a re-join spawns a new process there).
-        self.processes: list[ProcessInfo] = []
-        self._global: MPI.Comm | None = None
+        self.processes: list[ProcessInfo] = first.processes
         # The recovery that repaired a process lost while the first world was built (None: none
-        # was lost then); the caller records it as an incident of the start.
+        # was lost then); the caller records it as an incident of the start. Nothing to park yet.
         self.startup_repair: RecoveryResult | None = None
-        self._build_first_world(base)
-
-    def _build_first_world(self, base: MPI.Comm) -> None:
-        """The global communicator (a ``Dup`` of ``base``), its replica and DP communicators, and
-        the process table; repaired in place if a process is lost meanwhile.
-
-        Every rank tries to build the world, then all agree on ``base`` whether every rank did.
-        (A ``Dup`` or ``Split`` torn by a failure can fail on some ranks and return on others; a
-        rank whose creation returned still fails in the next one, or in the allgather, since the
-        failed process is a member; the agreement raises on every rank when a process of ``base``
-        failed, as no rank acknowledges failures on it.) Without a failure, that is the world of
-        epoch 0. Otherwise the survivors shrink ``base`` and run a recovery on the result, as for
-        a failure in a step: the replicas the lost processes belonged to are lost, their other
-        ranks leave (nothing to park: no state yet), and the world of epoch 1 is the job's first.
-        A rank lost at start-up then is an incident like any later one, not a failed launch.
-        """
-        ok = True
-        glob = replica = dp = None
-        processes: list[ProcessInfo] | None = None
-        dup_failed = False
-        try:
-            self.fault_point("start:dup")
+        if not first.built:
+            park, self._park_orphans = self._park_orphans, False
             try:
-                glob = base.Dup()
-            except MPI.Exception:
-                dup_failed = True
-                raise
-            glob.Set_errhandler(MPI.ERRORS_RETURN)
-            self.fault_point("start:split")
-            replica, dp = split_derived(glob, self.coords, active=True)
-            processes = glob.allgather(this_process(self.coords.rank))
-            self.fault_point("start:gathered")
-        except MPI.Exception as exc:
-            # A torn creation from ``base`` (context id 0 for MPI_COMM_WORLD) leaves Open MPI's
-            # context-id allocator open to ``base`` only (.ulfm.reset_cid_gate): the Shrink of
-            # ``base`` below passes it and reopens it; a local Dup of MPI_COMM_SELF would wait.
-            # ``Dup`` runs on libnbc, which may say ERR_OTHER for a fault.
-            if not (is_fault(exc, libnbc=True) if dup_failed else creation_failed(exc)):
-                raise
-            ok = False
-            revoke_comm(glob)  # wake ranks still blocked in the derived splits
-        if all_ok(base, ok, "first world's"):
-            assert processes is not None
-            self._global, self._replica_comm, self._dp_comm = glob, replica, dp
-            self.processes = processes
-            return
-        for c in (dp, replica, glob):
-            retire_comm(c)
-        n = base.Get_size()
-        if processes is None:
-            # The table was not gathered here: a failed process is unknown (pid 0) until a
-            # survivor that has the table shares it at the end of the recovery (share_table).
-            processes = [ProcessInfo(rank=r, host="", pid=0, start_ticks=None) for r in range(n)]
-            processes[self.coords.rank] = this_process(self.coords.rank)
-        self.processes = processes
-        # The shrink of ``base`` passes the context-id gate a failed Dup of ``base`` left behind;
-        # so would its retry, but not the gate's reset (.membership.shrink's reset_gate).
-        self._global = shrink(base, self.coords.rank, reset_gate=not dup_failed)
-        base_group = base.Get_group()
-        try:
-            self._logical = logical_members(self._global, base_group, list(range(n)))
-        finally:
-            base_group.Free()
-        # No side of a network cut at start-up may go on alone (partition guards start later, with
-        # the heartbeat files): the survivors must be more than half the launch, or half with
-        # launch rank 0. The other side stops here, before it writes anything.
-        kept = len(self._logical)
-        if 2 * kept < n or (2 * kept == n and 0 not in self._logical):
-            self._closed = True
-            self.stop_watch()
-            fail_stop(
-                f"rank {self.coords.rank}: {kept} of {n} launch ranks left while the first world was "
-                "built, not a majority: stopping rather than going on as one side of a cut"
-            )
-        self._replica_comm = self._dp_comm = None
-        park, self._park_orphans = self._park_orphans, False
-        try:
-            self.startup_repair = self._recover("start-up", detect_s=0.0, entry_agree=False, share_table=True)
-        finally:
-            self._park_orphans = park
+                self.startup_repair = self._recover(
+                    "start-up", detect_s=0.0, entry_agree=False, share_table=True
+                )
+            finally:
+                self._park_orphans = park
 
     @classmethod
     def spawned(
@@ -351,7 +270,7 @@ class FaultTolerantComm(GridPosition):
         self = cls.__new__(cls)
         self._setup(tp, pp, n_replicas, on_leave, fault_hook, park_orphans)
         self._global = self._replica_comm = self._dp_comm = None
-        self._start_watch(MPI.COMM_WORLD, on_failure_notice)
+        ensure_watch(MPI.COMM_WORLD, on_failure_notice)
         return self
 
     def _setup(
@@ -385,16 +304,6 @@ class FaultTolerantComm(GridPosition):
         self.last_commit = -1
         # Set by the training mode: judges which side of a cut network goes on (.partition).
         self.partition_guard: PartitionGuard | None = None
-
-    def _start_watch(
-        self, base: MPI.Comm, on_failure_notice: Callable[[list[int], float], None] | None
-    ) -> None:
-        # The process's failure watch: it also carries the heartbeats (see .heartbeat).
-        from .watch import ensure_watch
-
-        watch = ensure_watch(base)
-        if on_failure_notice is not None:
-            watch.subscribe(on_failure_notice)
 
     # ----------------------------------------------------------------- accessors
     @property
@@ -538,27 +447,13 @@ class FaultTolerantComm(GridPosition):
         :meth:`recover` on every survivor and raises :class:`WorldChanged` (uniformly: either all
         survivors return the same value or all raise).
         """
-        if not 0 <= stop <= _STOP_BITS:
-            raise ValueError(f"stop bits must be in 0..{_STOP_BITS}, got {stop}")
-        kind_bits = _KIND_MASK & ~(1 << AGREE_KINDS.index(kind)) if kind != "step" else _KIND_MASK
-        value = self._agree_value(
-            (_FLAG if flag else 0)
-            | _NO_RECOVERY
-            | ((_STOP_BITS & ~stop) << _STOP_SHIFT)
-            | (kind_bits << _KIND_SHIFT)
-        )
-        return bool(value & _FLAG), _STOP_BITS & ~(value >> _STOP_SHIFT)
+        return decode_step(self._agree_value(encode_step(flag, stop, kind)))
 
     def follow(self, stop: int = 0) -> tuple[int, str]:
         """A parked rank's side of the next global agree: ``(stop bits, kind)`` of what the active
         ranks agreed (plus ``stop``, a stop this rank requested before it parked); raises
         :class:`WorldChanged` like :meth:`agree`."""
-        value = self._agree_value(
-            _FLAG | _NO_RECOVERY | ((_STOP_BITS & ~stop) << _STOP_SHIFT) | (_KIND_MASK << _KIND_SHIFT)
-        )
-        kinds = ~(value >> _KIND_SHIFT) & _KIND_MASK
-        kind = next((k for i, k in enumerate(AGREE_KINDS) if kinds & (1 << i)), "step")
-        return _STOP_BITS & ~(value >> _STOP_SHIFT), kind
+        return decode_follow(self._agree_value(encode_follow(stop)))
 
     def _agree_value(self, mine: int) -> int:
         self.check_open()
@@ -571,7 +466,7 @@ class FaultTolerantComm(GridPosition):
                 if not is_fault(exc):
                     raise
                 value = 0  # failure seen by the agree itself: uniform across survivors
-            if not value & _NO_RECOVERY:
+            if not value & NO_RECOVERY:
                 # Either the agree failed, or some rank's entry agree (which contributes 0)
                 # matched ours: it is already past its revokes and waits for us in the rounds.
                 result = self._recover("agree", detect_s=time.perf_counter() - t0, entry_agree=False)
@@ -599,8 +494,6 @@ class FaultTolerantComm(GridPosition):
         self._global.Barrier()
 
     def stop_watch(self) -> None:
-        from .watch import stop_watch
-
         stop_watch()
 
     def close(self) -> None:
@@ -665,22 +558,18 @@ class FaultTolerantComm(GridPosition):
         # that raised is one step behind; it learns it here and commits the step it holds
         # (step.py) instead of redoing it.
         # Each member's own process entry comes along, and with ``share_table`` (the recovery of
-        # the first world, :meth:`_build_first_world`) its whole table: a member that gathered it
-        # before the failure tells the others what the failed processes were.
-        mine = this_process(self.coords.rank)
+        # the first world, :mod:`.first_world`) its whole table: a member that gathered it before
+        # the failure tells the others what the failed processes were.
+        shared = self.processes if share_table else []
         try:
-            gathered = self._global.allgather((self.last_commit, mine, self.processes if share_table else []))
+            gathered = self._global.allgather((self.last_commit, this_process(self.coords.rank), shared))
         except MPI.Exception as exc:
             if not is_fault(exc):
                 raise
             return self._recover(trigger, detect_s=detect_s, entry_agree=True, share_table=share_table)
-        for _, _, table in gathered:
-            for known in table:
-                if known.pid > 0 and self.processes[known.rank].pid <= 0:
-                    self.processes[known.rank] = known
-        for _, info, _ in gathered:
-            self.processes[info.rank] = info
-        newest = max(commit for commit, _, _ in gathered)
+        commits, own, tables = zip(*gathered, strict=True)
+        fill_in(self.processes, list(own), list(tables))
+        newest = max(commits)
         return dataclasses.replace(result, newest_commit=newest)
 
 

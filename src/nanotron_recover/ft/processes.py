@@ -85,3 +85,15 @@ def reap(info: ProcessInfo) -> bool | None:
         except OSError:
             pass  # gone between the check and the kill
     return running
+
+
+def fill_in(table: list[ProcessInfo], own: list[ProcessInfo], shared: list[list[ProcessInfo]]) -> None:
+    """Update ``table`` (indexed by logical rank) in place: each member's ``own`` entry, and what
+    other members' ``shared`` tables know of processes this one does not (pid 0: lost before this
+    rank gathered the table, ``first_world.py``)."""
+    for other in shared:
+        for known in other:
+            if known.pid > 0 and table[known.rank].pid <= 0:
+                table[known.rank] = known
+    for info in own:
+        table[info.rank] = info

@@ -123,11 +123,16 @@ class FailureWatch:
 _watch: FailureWatch | None = None
 
 
-def ensure_watch(base: MPI.Comm) -> FailureWatch:
-    """This process's watch over ``base`` (the launch communicator), started on first use."""
+def ensure_watch(
+    base: MPI.Comm, on_failure: Callable[[list[int], float], None] | None = None
+) -> FailureWatch:
+    """This process's watch over ``base`` (the launch communicator), started on first use;
+    ``on_failure`` (if given) subscribes to it (:meth:`FailureWatch.subscribe`)."""
     global _watch
     if _watch is None:
         _watch = FailureWatch(base)
+    if on_failure is not None:
+        _watch.subscribe(on_failure)
     return _watch
 
 

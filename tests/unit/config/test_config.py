@@ -427,7 +427,12 @@ RECOVER_ON = "recover.enabled=true"
         ),
         (
             [RECOVER_ON, "recover.faults=[{step: 0, replica: 0}]"],
-            "recover.faults[0]: step 0 is outside 1..tokens.train_steps=20",
+            "recover.faults[0]: step 0 is only for phase start (the first launch, while its first world "
+            "is built); steps run 1..tokens.train_steps=20",
+        ),
+        (
+            [RECOVER_ON, "recover.faults=[{step: -1, replica: 0, phase: start}]"],
+            "recover.faults[0]: step -1 is outside 1..tokens.train_steps=20",
         ),
         (
             [RECOVER_ON, "recover.faults=[{step: 2, replica: 0, microbatch: -1}]"],

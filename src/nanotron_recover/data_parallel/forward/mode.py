@@ -61,7 +61,7 @@ T = TypeVar("T")
 # The re-join stages of ft/join.py where an injected ``phase: rejoin`` fault may fire (its microbatch).
 JOIN_FAULT_POINTS = {"join:spawned": 2, "join:merged": 3}
 # The communicator's points while it builds the first world: ``phase: start`` faults of a first
-# launch (``step: 1``), by micro-batch index.
+# launch (``step: 0``), by micro-batch index.
 START_FAULT_POINTS = {"start:dup": 0, "start:split": 1, "start:gathered": 2}
 
 
@@ -128,7 +128,7 @@ class ForwardRecovery:
             rank = MPI.COMM_WORLD.Get_rank()
             replica = Topology(tp=p.inner, pp=p.pp, n_replicas=p.dp).coords(rank).replica
             s.injector = FaultInjector(s.args, rank, replica, s.run_dir)
-            s.injector.begin_step(1, list(range(launched)))
+            s.injector.begin_step(0, list(range(launched)))
         # A replica is p.inner x p.pp ranks: tp ranks (3D) or shard ranks (HSDP) along the inside.
         s.ftc = FaultTolerantComm(p.inner, p.pp, p.dp, launched_replicas=launched, **callbacks)
         s.my_replica_ranks = s.replica_ranks()
@@ -241,6 +241,7 @@ class ForwardRecovery:
         incident.phase = Phase.START
         self.steps.carried.append(incident)
         self.members.fence(result.failed_ranks)
+        self.rejoin.note_failure(self.s.step, result)  # with re-join on, the lost replicas come back
         ftc = self.s.ftc
         if ftc.rank == min(ftc.alive_ranks):
             print(

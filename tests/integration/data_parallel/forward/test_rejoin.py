@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from nanotron_recover.ft import rank_fixes
 from nanotron_recover.launcher import mpirun_command
 from nanotron_recover.logging import read_incidents, read_metrics
 from nanotron_recover.outcome import read_outcome
@@ -196,6 +197,27 @@ def test_kill_a_replica_every_three_steps_and_grow_back_each_time(tmp_path, loca
     digests = {f.name.split("_", 1)[0]: f.read_text() for f in (run / "parameters").glob("replica*.sha256")}
     assert sorted(digests) == [f"replica{r}" for r in range(4)]
     assert set(digests.values()) == {reference.read_text()}
+
+
+@pytest.mark.mpi
+def test_a_replica_lost_while_the_first_world_is_built_comes_back(tmp_path, tmp_path_factory, local_dataset):
+    """dp=4, tp=1: rank 3 dies before the splits of the first world (``phase: start``, ``step: 0``).
+    The job starts with 3 replicas, the lost one re-joins after its first step like one lost in a
+    step, and the curve is the plain one. The ranks load ``ft/rank_fixes`` as a launched job's do:
+    without it the survivors crash on the failure notice during a creation (Fenix#136)."""
+    steps = 6
+    corpus = local_dataset.corpus_dir
+    faults = [{"step": 0, "rank": 3, "phase": "start", "microbatch": 1}]
+    sets = sets_for(tmp_path, corpus, steps) + layout(1, 1, 4, 2) + rejoin_sets(faults)
+    env = {**os.environ, **rank_fixes.rank_env(tmp_path)}
+    result = check(run_cli(train_args(tmp_path, sets), nproc=4, timeout=300, env=env))
+    assert "replicas [3] lost while the job started; going on with 3" in result.output
+    got = read_metrics(tmp_path)
+    assert_same_curve(got, plain_curve(tmp_path_factory, corpus, steps))
+    assert got[0]["replicas"] == 3 and got[-1]["replicas"] == 4, [r["replicas"] for r in got]
+    (joined,) = rejoins(tmp_path)
+    assert joined["replicas"] == [3] and joined["spawned_ranks"] == [3], joined
+    assert_replicas_identical(tmp_path, [0, 1, 2, 3])
 
 
 # Two ranks per replica: tensor parallel, or an HSDP shard group (FSDP2 inside the replica).

@@ -177,7 +177,7 @@ def test_rank_killed_from_outside_while_the_job_starts(tmp_path, plain):
     ids=["before_dup", "rank0_before_splits", "tp2_after_table"],
 )
 def test_rank_killed_while_the_first_world_is_built(tmp_path, plain, tp, victim, microbatch):
-    """A rank dies inside the communicator's construction (``phase: start``, ``step: 1``): before
+    """A rank dies inside the communicator's construction (``phase: start``, ``step: 0``): before
     the launch communicator's ``Dup``, before the splits (rank 0, the logging rank), or after the
     process table (tp=2: its replica's other rank leaves, from inside the construction). The
     survivors repair it there: one crash incident of the start, the three replicas left sum the
@@ -185,7 +185,7 @@ def test_rank_killed_while_the_first_world_is_built(tmp_path, plain, tp, victim,
     names no unknown process."""
     lost = victim // tp
     alive = [r for r in range(4) if r != lost]
-    fault = {"step": 1, "phase": "start", "rank": victim, "microbatch": microbatch}
+    fault = {"step": 0, "phase": "start", "rank": victim, "microbatch": microbatch}
     result = launch(tmp_path, (W4 if tp == 1 else W4_TP2) + recover([fault]))
     assert_completed(result, tmp_path)
     assert_curve(tmp_path, plain)
