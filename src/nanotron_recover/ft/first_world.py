@@ -14,9 +14,10 @@ the lost processes belonged to are lost, their other ranks leave (nothing to par
 and the world of epoch 1 is the job's first. A rank lost at start-up (a crash, or one the heartbeat
 declared dead by mistake on a busy node) then is an incident like any later one.
 
-What the failed processes were is unknown to a rank that did not gather the table: their entries
-are placeholders (pid 0, no host) until a survivor that has the table shares it at the end of that
-recovery (:func:`.processes.fill_in`).
+A rank that did not gather the table knows the failed processes of its own host from ``/proc``
+(:func:`.processes.launch_mates`: a frozen one is then reaped after the repair, as in any
+recovery); a process of another host is a placeholder (pid 0, no host) until a survivor that has
+the table shares it at the end of that recovery (:func:`.processes.fill_in`).
 
 Not covered: a process that dies inside the deciding agreement after it contributed can leave it
 returning on some survivors and raising on others (the exposure a recovery round's commit has too).
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 from .failstop import fail_stop
 from .membership import logical_members, shrink, split_derived
-from .processes import ProcessInfo, this_process
+from .processes import ProcessInfo, launch_mates, this_process
 from .topology import RankCoords
 from .ulfm import MPI, all_ok, creation_failed, is_fault, retire_comm, revoke_comm
 
@@ -81,7 +82,10 @@ def build_first_world(base: MPI.Comm, coords: RankCoords, fault_point: Callable[
     for c in (dp, replica, glob):
         retire_comm(c)
     if processes is None:
-        processes = [ProcessInfo(rank=r, host="", pid=0, start_ticks=None) for r in range(n)]
+        # No table over MPI: the node-mates are known from /proc (so that a frozen one is reaped
+        # after the repair, as in any recovery); a process of another host is unknown (pid 0).
+        mates = launch_mates()
+        processes = [mates.get(r, ProcessInfo(rank=r, host="", pid=0, start_ticks=None)) for r in range(n)]
         processes[coords.rank] = this_process(coords.rank)
     # The retried Shrink passes the gate a failed Dup of ``base`` left behind; its reset would not.
     shrunk = shrink(base, coords.rank, reset_gate=not dup_failed)

@@ -87,6 +87,33 @@ def reap(info: ProcessInfo) -> bool | None:
     return running
 
 
+def launch_mates() -> dict[int, ProcessInfo]:
+    """The processes of this process's launch (its PMIx namespace) that run on this host, by launch
+    rank, read from ``/proc/<pid>/environ``: who a node-mate is when no table was gathered over MPI
+    (a process lost while the first world was built, ``first_world.py``). Empty outside a launch."""
+    mine = os.environ.get("PMIX_NAMESPACE")
+    found: dict[int, ProcessInfo] = {}
+    if not mine:
+        return found
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            env = dict(
+                item.split(b"=", 1)
+                for item in open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
+                if b"=" in item
+            )
+        except OSError:
+            continue  # gone, or not ours to read
+        rank = env.get(b"PMIX_RANK", b"")
+        if env.get(b"PMIX_NAMESPACE", b"").decode() == mine and rank.isdigit():
+            pid = int(entry)
+            info = ProcessInfo(int(rank), socket.gethostname(), pid, _start_ticks(pid), mine, int(rank))
+            found[info.rank] = info
+    return found
+
+
 def fill_in(table: list[ProcessInfo], own: list[ProcessInfo], shared: list[list[ProcessInfo]]) -> None:
     """Update ``table`` (indexed by logical rank) in place: each member's ``own`` entry, and what
     other members' ``shared`` tables know of processes this one does not (pid 0: lost before this

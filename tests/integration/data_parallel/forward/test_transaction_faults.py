@@ -147,6 +147,24 @@ def test_rank_frozen_then_another_killed_from_outside(tmp_path, plain):
     assert not process_exists(frozen) and not process_exists(killed)
 
 
+def test_rank_frozen_from_outside_while_the_job_starts(tmp_path, plain):
+    """The test SIGSTOPs replica 3's rank as soon as the rank table exists (a frozen node or GPU at
+    start-up): the heartbeat finds it, the survivors repair it at start-up or in step 1 and train
+    the plain curve with three replicas, and the frozen process is reaped, not left holding the
+    job."""
+    job = Job(tmp_path, W4 + recover())
+    victim = job.pid(3)
+    os.kill(victim, signal.SIGSTOP)
+    result = job.finish()
+    assert_completed(result, tmp_path)
+    assert "mpirun had not exited" not in result.output
+    assert_curve(tmp_path, plain)
+    assert_replicas_identical(tmp_path, [0, 1, 2])
+    (incident,) = [i for i in read_incidents(tmp_path) if i["failed_replicas"] == [3]]
+    assert incident["step"] == 1 and incident["kind"] == "hang" and incident["hung_ranks"] == [3], incident
+    assert not process_exists(victim)
+
+
 def test_rank_killed_from_outside_while_the_job_starts(tmp_path, plain):
     """The test SIGKILLs replica 3's rank as soon as the rank table exists: the job is still
     starting (building the model, opening the data, agreeing that every rank started well). The
@@ -172,22 +190,24 @@ def test_rank_killed_from_outside_while_the_job_starts(tmp_path, plain):
 
 
 @pytest.mark.parametrize(
-    ("tp", "victim", "microbatch"),
-    [(1, 3, 0), (1, 0, 1), (2, 2, 2)],
-    ids=["before_dup", "rank0_before_splits", "tp2_after_table"],
+    ("tp", "victim", "microbatch", "kind"),
+    [(1, 3, 0, "kill"), (1, 0, 1, "kill"), (2, 2, 2, "kill"), (1, 3, 1, "freeze")],
+    ids=["before_dup", "rank0_before_splits", "tp2_after_table", "frozen_before_splits"],
 )
-def test_rank_killed_while_the_first_world_is_built(tmp_path, plain, tp, victim, microbatch):
-    """A rank dies inside the communicator's construction (``phase: start``, ``step: 0``): before
-    the launch communicator's ``Dup``, before the splits (rank 0, the logging rank), or after the
-    process table (tp=2: its replica's other rank leaves, from inside the construction). The
-    survivors repair it there: one crash incident of the start, the three replicas left sum the
-    same B = 8 micro-batches from step 1 on, and the rank table, written by the lowest rank left,
-    names no unknown process."""
+def test_rank_lost_while_the_first_world_is_built(tmp_path, plain, tp, victim, microbatch, kind):
+    """A rank dies or freezes inside the communicator's construction (``phase: start``,
+    ``step: 0``): before the launch communicator's ``Dup``, before the splits (rank 0, the logging
+    rank; a frozen rank, found by the heartbeat), or after the process table (tp=2: its replica's
+    other rank leaves, from inside the construction). The survivors repair it there: one incident of
+    the start, the three replicas left sum the same B = 8 micro-batches from step 1 on, a frozen
+    process is reaped by its node-mates (known from /proc when no table was gathered) and the rank
+    table names no unknown process."""
     lost = victim // tp
     alive = [r for r in range(4) if r != lost]
-    fault = {"step": 0, "phase": "start", "rank": victim, "microbatch": microbatch}
+    fault = {"step": 0, "phase": "start", "rank": victim, "microbatch": microbatch, "kind": kind}
     result = launch(tmp_path, (W4 if tp == 1 else W4_TP2) + recover([fault]))
     assert_completed(result, tmp_path)
+    assert "mpirun had not exited" not in result.output  # nothing left behind holds the job
     assert_curve(tmp_path, plain)
     assert_replicas_identical(tmp_path, alive)
     assert f"replicas [{lost}] lost while the job started; going on with 3" in result.output
@@ -196,14 +216,18 @@ def test_rank_killed_while_the_first_world_is_built(tmp_path, plain, tp, victim,
         assert "its replica lost a process while the job started (epoch 0 -> 1)" in result.output
     (incident,) = read_incidents(tmp_path)
     assert incident["failed_replicas"] == [lost] and incident["failed_ranks"] == [victim], incident
-    assert incident["step"] == 1 and incident["phase"] == "start" and incident["kind"] == "crash", incident
+    assert incident["step"] == 1 and incident["phase"] == "start", incident
+    assert incident["kind"] == ("hang" if kind == "freeze" else "crash"), incident
+    assert incident["hung_ranks"] == ([victim] if kind == "freeze" else []), incident
     assert incident["alive_replicas"] == alive, incident
-    # The table names every rank left, and the lost ones only where they were known (gathered
-    # before the fault); never an unknown process (pid 0).
-    table = json.loads((tmp_path / "ranks.json").read_text())
-    listed = {r["rank"] for r in table}
-    assert {r for rep in alive for r in range(rep * tp, rep * tp + tp)} <= listed, table
-    assert (victim in listed) == (microbatch == 2) and all(r["pid"] > 0 for r in table), table
+    # The table names the lost process where it was known: gathered before the fault, or (frozen:
+    # still there when the survivors looked in /proc) a node-mate. A killed one before the table is
+    # left out, never named with pid 0; one named is gone now.
+    table = {r["rank"]: r for r in json.loads((tmp_path / "ranks.json").read_text())}
+    known = kind == "freeze" or microbatch == 2
+    assert set(table) == set(range(4 * tp)) - ({victim} if not known else set()), table
+    assert all(r["pid"] > 0 for r in table.values()), table
+    assert not known or not process_exists(table[victim]["pid"])
 
 
 # -- faults during checkpoint saves ---------------------------------------------------------------
