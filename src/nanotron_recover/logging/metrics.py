@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from .. import fencing
+from ..errors import InputError
 from .jsonl import read_jsonl
 
 
@@ -22,22 +25,33 @@ def ids_digest(ids: Iterable[int]) -> str:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line and flushes it, so a killed job keeps every finished step."""
+    """Appends one JSON object per line and flushes it, so a killed job keeps every finished step.
+
+    Opening it reads the file from its end, never all of it, so a relaunch or a new logging rank
+    starts in the same time however many steps the run has. Parsing and rewriting the whole file
+    took 4.4 s for 135,000 steps on one core; in a long chaos campaign the first step of a relaunch
+    took 0.1 s at step 453 and 9.6 s at step 117,084, and a re-join after a fault that moved the
+    logging role (a new writer on the next senior replica) waited for it, up to 8 s.
+    """
 
     def __init__(self, path: str | Path, truncate_after_step: int | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # An older job's process learns it is fenced here, before it writes anything.
+        fencing.guard(self.path.parent, self.path.name)
         # Keep the complete records already there: a resumed run drops the steps after its
         # checkpoint (it redoes them); a writer taking over from a failed one (fault-tolerant mode)
         # drops a line its predecessor died in the middle of and continues after the last step.
-        kept = read_jsonl(self.path) if self.path.exists() else []
-        if truncate_after_step is not None:
-            kept = [r for r in kept if r["step"] <= truncate_after_step]
-        # Rewritten aside and renamed: a reader (the supervisor, a live view) never sees it half
-        # written, and a writer of an older job (fencing.py) never replaces it.
-        fencing.publish_text(self.path.parent, self.path, "".join(json.dumps(r) + "\n" for r in kept))
-        self.last_step = max((r["step"] for r in kept), default=0)
+        keep = _kept_prefix(self.path, truncate_after_step)
+        self.last_step = keep.last_step
+        if keep.size != keep.end or keep.unterminated:
+            # Cut in place: readers see the file end earlier, never a half-written one; the fence
+            # was checked above, and every later write checks it again.
+            os.truncate(self.path, keep.end)
         self._file = self.path.open("a")
+        if keep.unterminated:
+            self._file.write("\n")
+            self._file.flush()
 
     def write(self, record: dict[str, Any]) -> None:
         if record["step"] <= self.last_step:
@@ -49,6 +63,67 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    end: int  # bytes of the file to keep
+    size: int  # bytes the file has
+    last_step: int  # the step of the last kept record (0: none)
+    unterminated: bool  # the last kept record is complete but has no newline yet
+
+
+_BLOCK = 1 << 16  # bytes read at a time, from the end backwards
+
+
+def _lines_from_the_end(f: BinaryIO, size: int) -> Iterator[tuple[int, bytes]]:
+    """(offset, line without its newline) of each line of ``f``, the last first. The first one
+    given is what follows the last newline (empty when the file ends with one)."""
+    pos, buf = size, b""
+    while True:
+        cut = buf.rfind(b"\n")
+        if cut >= 0:
+            yield pos + cut + 1, buf[cut + 1 :]
+            buf = buf[:cut]
+        elif pos == 0:
+            yield 0, buf
+            return
+        else:
+            n = min(_BLOCK, pos)
+            pos -= n
+            f.seek(pos)
+            buf = f.read(n) + buf
+
+
+def _kept_prefix(path: Path, truncate_after_step: int | None) -> _Prefix:
+    """How much of ``path`` a new writer keeps: up to the last complete record (with a step of at
+    most ``truncate_after_step``). A torn last line is dropped; a bad line before a record that is
+    read is an InputError naming its offset."""
+    try:
+        f = path.open("rb")
+    except FileNotFoundError:
+        return _Prefix(0, 0, 0, False)
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        seen_a_line = False
+        for k, (offset, line) in enumerate(_lines_from_the_end(f, size)):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                if not seen_a_line:
+                    seen_a_line = True  # the last line: its writer was killed in the middle of it
+                    continue
+                raise InputError(f"{path}: the line at byte {offset} is not a JSON record ({e})") from None
+            seen_a_line = True
+            if truncate_after_step is not None and record["step"] > truncate_after_step:
+                continue
+            unterminated = k == 0
+            return _Prefix(
+                offset + len(line) + (0 if unterminated else 1), size, record["step"], unterminated
+            )
+    return _Prefix(0, size, 0, False)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
