@@ -6,15 +6,15 @@ its wall-clock ``time`` and ``replicas``), ``incidents.jsonl`` (one line per fai
 relaunch), ``generation.json`` (written by the supervisor before a relaunch) and ``outcome.json``.
 
 The JSON-lines files are tailed, not re-read: only the bytes appended since the last poll are
-parsed, up to the last complete line, so polling every few milliseconds costs little. A file cut
-short in place (a relaunched job drops the steps after the state it restored, a new logging rank
-a line torn by its predecessor) keeps the records before the cut; one replaced by another file is
-read again whole.
+parsed, up to the last complete line, so polling every few milliseconds costs little. A file that
+got shorter or was replaced is read again whole: a new metrics writer that drops records (a
+relaunched job redoes the steps after the state it restored; a line torn by its predecessor)
+renames the records it keeps over ``metrics.jsonl``, so the new inode tells the watch even when
+the redone steps were appended before it looked.
 """
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
 import time
@@ -32,55 +32,41 @@ class JsonlTail:
     def __init__(self, path: Path):
         self.path = path
         self.records: list[dict[str, Any]] = []
-        self._ends: list[int] = []  # the byte offset after each record's line
         self._offset = 0
         self._inode: int | None = None
         self._partial = b""
 
     def poll(self) -> tuple[list[dict[str, Any]], bool]:
-        """(records new since the last poll, whether records seen before were dropped).
-
-        A file cut short in place keeps the records that end before the cut, and what follows the
-        cut is new. A file replaced by another (a new inode) is read again whole: what it holds was
-        seen before (or less), so none of it is new."""
+        """(records appended since the last poll, whether the file was rewritten and read again)."""
         try:
             st = os.stat(self.path)
         except OSError:
             return [], False
-        dropped, replaced = False, False
-        if st.st_ino != self._inode:
-            dropped = replaced = self._inode is not None
-            self._inode, self._offset, self._partial, self.records, self._ends = st.st_ino, 0, b"", [], []
-        elif st.st_size < self._offset:
-            keep = bisect.bisect_right(self._ends, st.st_size)
-            dropped = keep < len(self.records)
-            del self.records[keep:], self._ends[keep:]
-            self._offset, self._partial = (self._ends[-1] if self._ends else 0), b""
+        rewritten = False
+        if st.st_ino != self._inode or st.st_size < self._offset:
+            rewritten = self._inode is not None
+            self._inode, self._offset, self._partial, self.records = st.st_ino, 0, b"", []
         if st.st_size == self._offset:
-            return [], dropped
+            return [], rewritten
         try:
             with open(self.path, "rb") as f:
                 f.seek(self._offset)
                 data = f.read(st.st_size - self._offset)
         except OSError:
-            return [], dropped
-        start = self._offset - len(self._partial)
+            return [], rewritten
         self._offset += len(data)
         data = self._partial + data
         cut = data.rfind(b"\n") + 1
         self._partial = data[cut:]
         new = []
-        pos = 0
-        for line in data[:cut].split(b"\n")[:-1]:
-            pos += len(line) + 1
+        for line in data[:cut].splitlines():
             if line.strip():
                 try:
                     new.append(json.loads(line))
                 except ValueError:
                     continue  # a line torn by a writer killed mid-write
-                self._ends.append(start + pos)
         self.records.extend(new)
-        return ([] if replaced else new), dropped
+        return new, rewritten
 
 
 @dataclass
@@ -137,19 +123,20 @@ class RunWatch:
     def poll(self) -> None:
         now = time.time()
         before = self.last_step
-        new, dropped = self.metrics.poll()
-        if dropped and self.last_step < before:
+        new, rewritten = self.metrics.poll()
+        if rewritten and self.last_step < before:
             self.step_drops.append((now, before, self.last_step))
-        for record in new:
-            self.commits.append(
-                Commit(
-                    int(record.get("step", 0)),
-                    float(record.get("time", now)),
-                    record.get("replicas"),
-                    now,
+        if not rewritten:  # a re-read file holds what was seen before (or less): no new commit
+            for record in new:
+                self.commits.append(
+                    Commit(
+                        int(record.get("step", 0)),
+                        float(record.get("time", now)),
+                        record.get("replicas"),
+                        now,
+                    )
                 )
-            )
-            self.last_progress = now
+                self.last_progress = now
         self.incidents_tail.poll()
         if now >= self._slow_due:  # small files that change rarely: ten times a second
             self._slow_due = now + 0.1

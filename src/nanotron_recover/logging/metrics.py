@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from .. import fencing
+from ..atomic_file import aside_path
 from ..errors import InputError
 from .jsonl import read_jsonl
 
@@ -32,6 +33,13 @@ class MetricsWriter:
     took 4.4 s for 135,000 steps on one core; in a long chaos campaign the first step of a relaunch
     took 0.1 s at step 453 and 9.6 s at step 117,084, and a re-join after a fault that moved the
     logging role (a new writer on the next senior replica) waited for it, up to 8 s.
+
+    When it drops records (a resumed run redoes the steps after its checkpoint; a torn last line),
+    the bytes it keeps are copied to a new file renamed over the old one, as before: a reader that
+    follows the file by its inode (the chaos watch) sees it replaced, even if records were added
+    again before it looked, and a writer of an older job that still holds the old file open
+    writes where nobody reads. When it drops nothing it appends to the file as it is; every write
+    is fenced (:func:`.fencing.guard`) right before it.
     """
 
     def __init__(self, path: str | Path, truncate_after_step: int | None = None):
@@ -44,12 +52,11 @@ class MetricsWriter:
         # drops a line its predecessor died in the middle of and continues after the last step.
         keep = _kept_prefix(self.path, truncate_after_step)
         self.last_step = keep.last_step
-        if keep.size != keep.end or keep.unterminated:
-            # Cut in place: readers see the file end earlier, never a half-written one; the fence
-            # was checked above, and every later write checks it again.
-            os.truncate(self.path, keep.end)
+        if keep.end < keep.size:
+            _replace_with_prefix(self.path, keep.end)
         self._file = self.path.open("a")
         if keep.unterminated:
+            fencing.guard(self.path.parent, self.path.name)
             self._file.write("\n")
             self._file.flush()
 
@@ -63,6 +70,25 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _replace_with_prefix(path: Path, end: int) -> None:
+    """Replace ``path`` by its first ``end`` bytes: copied aside as bytes (no parsing: 0.2 s for
+    94 MB, 135,000 steps), then fenced and renamed over it."""
+    aside = aside_path(path)
+    try:
+        with path.open("rb") as src, aside.open("wb") as dst:
+            left = end
+            while left > 0:
+                chunk = src.read(min(left, 1 << 20))
+                if not chunk:
+                    break  # the file got shorter meanwhile: keep what there was
+                dst.write(chunk)
+                left -= len(chunk)
+        fencing.guard(path.parent, path.name)
+        os.replace(aside, path)
+    finally:
+        aside.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)

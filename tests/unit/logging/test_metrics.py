@@ -88,8 +88,33 @@ def test_opening_reads_the_end_of_the_file_only(tmp_path, monkeypatch):
         return f
 
     monkeypatch.setattr(type(path), "open", counting_open)
+    # Dropping steps parses only the records it drops and the one it keeps (the kept bytes are
+    # copied, not parsed).
     writer = MetricsWriter(path, truncate_after_step=19_995)
     writer.close()
     assert writer.last_step == 19_995
-    assert len(parsed) == 6  # the five records dropped and the one kept, of 20,000
+    assert len(parsed) == 6  # of 20,000
+    # Dropping nothing reads one block from the end, and parses one record.
+    parsed.clear()
+    reads.clear()
+    writer = MetricsWriter(path)
+    writer.close()
+    assert writer.last_step == 19_995
+    assert len(parsed) == 1
     assert sum(reads) <= metrics_module._BLOCK < path.stat().st_size
+
+
+def test_a_writer_that_drops_nothing_appends_to_the_same_file_and_one_that_drops_replaces_it(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    _write(path, range(1, 11))
+    inode = path.stat().st_ino
+    MetricsWriter(path, truncate_after_step=10).close()
+    assert path.stat().st_ino == inode  # nothing copied, nothing renamed
+    stale = MetricsWriter(path)  # a writer that is still around when a relaunch cuts the file
+    relaunched = MetricsWriter(path, truncate_after_step=7)
+    assert path.stat().st_ino != inode  # a reader following the file sees it replaced
+    stale.write({"step": 11})  # lands in the file the cut replaced, which nobody reads
+    relaunched.write({"step": 8, "redone": True})
+    stale.close()
+    relaunched.close()
+    assert [(r["step"], r.get("redone")) for r in read_metrics(path)][-2:] == [(7, None), (8, True)]
