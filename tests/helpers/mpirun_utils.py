@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from nanotron_recover.launcher import mpirun_command
+from nanotron_recover.outcome import read_outcome
 from nanotron_recover.session_dirs import fresh_session
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,6 +32,7 @@ class Completed:
     returncode: int
     stdout: str
     stderr: str
+    run_dir: Path | None = None  # a ``train`` run's folder: :func:`check` reads its outcome too
 
     @property
     def output(self) -> str:
@@ -140,13 +142,34 @@ def run_cli(
     """``nanotron-recover ARGS`` as one process, or under mpirun with ``nproc`` ranks."""
     program = [sys.executable, "-m", "nanotron_recover.cli", *args]
     cmd = program if nproc == 1 else mpirun_command(nproc, program)
-    return run_process(cmd, timeout, env=env)
+    result = run_process(cmd, timeout, env=env)
+    result.run_dir = train_run_dir(args)
+    return result
+
+
+def train_run_dir(args: list[str]) -> Path | None:
+    """The ``--run-dir`` of a ``train`` command that writes an outcome (not a dry run)."""
+    if not args or args[0] != "train" or "--dry-run" in args:
+        return None
+    for i, a in enumerate(args):
+        if a == "--run-dir" and i + 1 < len(args):
+            return Path(args[i + 1])
+        if a.startswith("--run-dir="):
+            return Path(a.split("=", 1)[1])
+    return None
 
 
 def check(result: Completed) -> Completed:
-    assert result.returncode == 0, (
-        f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
-    )
+    """Exit 0, and for a ``train`` run its own outcome record says so too: with ULFM, ``mpirun``
+    exits 0 when every rank died by a signal (a rank's watchdog SIGKILLs it), so its status alone
+    does not say that every step was committed (the launcher reads the record for the same
+    reason, ``outcome.py``)."""
+    output = f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, f"exit {result.returncode}\n{output}"
+    if result.run_dir is not None:
+        outcome = read_outcome(result.run_dir)
+        assert outcome is not None, f"exit 0, but the run wrote no outcome (its ranks died)\n{output}"
+        assert outcome["exit_code"] == 0, f"exit 0, but the run's outcome says {outcome}\n{output}"
     return result
 
 
