@@ -170,6 +170,8 @@ def check(result: Completed) -> Completed:
         outcome = read_outcome(result.run_dir)
         assert outcome is not None, f"exit 0, but the run wrote no outcome (its ranks died)\n{output}"
         assert outcome["exit_code"] == 0, f"exit 0, but the run's outcome says {outcome}\n{output}"
+        if outcome["status"] == "completed":
+            assert outcome["last_step"] == outcome["target_step"], f"completed short: {outcome}\n{output}"
     return result
 
 

@@ -23,6 +23,9 @@ def test_exit_0_without_an_outcome_or_with_a_failed_one_fails(tmp_path):
     write_outcome(tmp_path, status="stopped", last_step=4, target_step=10, exit_code=5, message="hang")
     with pytest.raises(AssertionError, match="outcome says"):
         check(Completed(0, "", "", run_dir=tmp_path))
+    write_outcome(tmp_path, status="completed", last_step=4, target_step=10, exit_code=0)
+    with pytest.raises(AssertionError, match="completed short"):
+        check(Completed(0, "", "", run_dir=tmp_path))
     write_outcome(tmp_path, status="completed", last_step=10, target_step=10, exit_code=0)
     assert check(Completed(0, "", "", run_dir=tmp_path)).returncode == 0
     with pytest.raises(AssertionError, match="exit 3"):
