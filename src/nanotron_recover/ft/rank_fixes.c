@@ -1,7 +1,9 @@
 /*
- * Loaded into every rank before Open MPI (ft/rank_fixes.py). Three parts: a failure notice that
+ * Loaded into every rank before Open MPI (ft/rank_fixes.py). Four parts: a failure notice that
  * arrives while a communicator is being created must not crash the rank (here); only processes of
- * this launch may connect; an abort says why (both further down).
+ * this launch may connect; an abort says why; a failure met while a spawn or a merge allocates its
+ * context id ends that creation with the error instead of retrying it forever (the last three
+ * further down).
  *
  * Open MPI 5.0.x (and main, as read): when a process is reported failed,
  * ompi_errhandler_proc_failed_internal() calls ompi_comm_set_rank_failed() for every communicator
@@ -215,4 +217,82 @@ void ompi_rte_abort(int error_code, char *fmt, ...)
         real(error_code, "%s", reason);
     }
     _exit(error_code == 0 ? 1 : error_code);
+}
+
+/*
+ * A failure inside the context-id allocation of MPI_Comm_spawn, Intercomm_merge (and connect/accept,
+ * Intercomm_create) is not dropped.
+ *
+ * Those creations agree on a context id with a nested request (ompi/communicator/comm_cid.c:
+ * ompi_comm_allreduce_intra_pmix_nb, ompi_comm_allreduce_inter_nb...): a schedule of libnbc
+ * reductions and broadcasts whose last item has no callback. ompi_comm_request_progress()
+ * (ompi/communicator/comm_request.c, v5.0.x and main as read) marks the request failed when one of
+ * its sub-requests failed, then, when the schedule is empty, overwrites that status with the last
+ * callback's return code, OMPI_SUCCESS when there is no callback. So the nested request "succeeds"
+ * without having written its result; ompi_comm_checkcid sees no error, the zeroed result disagrees,
+ * and ompi_comm_nextcid_check_flag starts another round, which fails the same way against the
+ * process that failed: forever, printing "NBC_Progress: an error 75" once per libnbc request, and
+ * no revoke ends it (the revoke's errors are dropped the same way). The spawned processes on the
+ * other side wait in MPI_Init meanwhile. Seen on CI: a re-join whose members spun in Spawn until
+ * the job's deadline.
+ *
+ * ompi_comm_request_schedule_append_w_flags is reached through libmpi's PLT (from
+ * ompi_comm_request_schedule_append too). This definition gives an item appended without a
+ * callback one that returns the request's status, so the error the progress loop recorded is the
+ * request's final status: the allocation ends with it (comm_cid.c's own callbacks already return
+ * it when they see it), and so does the Spawn or the Merge, which the caller handles like any
+ * failed creation (ulfm.creation_failed). The status is read at the offset of ompi_request_t's
+ * req_status.MPI_ERROR, found by the request type beside it (OMPI_REQUEST_COMM); where neither the
+ * release nor the debug layout matches, the callback returns success, as libmpi would.
+ */
+typedef int (*comm_request_callback_fn)(void *);
+typedef int (*schedule_append_fn)(void *, comm_request_callback_fn, void **, int, uint32_t);
+
+#define OMPI_REQUEST_COMM 7           /* ompi/request/request_dbg.h: ompi_request_type_t */
+static unsigned long kept;
+
+static int request_error(const void *request)
+{
+    /* ompi_request_t: opal_free_list_item_t super, ompi_request_type_t req_type, then
+     * ompi_status_public_t req_status {MPI_SOURCE, MPI_TAG, MPI_ERROR, ...} 8-byte aligned. The
+     * free-list item is 56 bytes in a release build, 88 with OPAL_ENABLE_DEBUG. */
+    static const size_t type_offsets[] = {56, 88};
+    for (size_t i = 0; i < sizeof type_offsets / sizeof type_offsets[0]; ++i) {
+        const char *base = (const char *) request;
+        if (*(const int *) (base + type_offsets[i]) == OMPI_REQUEST_COMM) {
+            return *(const int *) (base + type_offsets[i] + 8 + 2 * sizeof(int));
+        }
+    }
+    return 0;
+}
+
+static int keep_error(void *request)
+{
+    int error = request_error(request);
+    if (error != 0) {
+        __atomic_add_fetch(&kept, 1, __ATOMIC_RELAXED);
+    }
+    return error;
+}
+
+int ompi_comm_request_schedule_append_w_flags(void *request, comm_request_callback_fn callback,
+                                              void **subreqs, int subreq_count, uint32_t flags)
+{
+    static schedule_append_fn real;
+    schedule_append_fn fn = __atomic_load_n(&real, __ATOMIC_ACQUIRE);
+    if (fn == NULL) {
+        fn = (schedule_append_fn) mpi_symbol("ompi_comm_request_schedule_append_w_flags");
+        if (fn == NULL || fn == ompi_comm_request_schedule_append_w_flags) {
+            fprintf(stderr, "rank_fixes: libmpi's ompi_comm_request_schedule_append_w_flags not found\n");
+            return -1; /* OMPI_ERROR: the creation fails rather than the process */
+        }
+        __atomic_store_n(&real, fn, __ATOMIC_RELEASE);
+    }
+    return fn(request, callback != NULL ? callback : keep_error, subreqs, subreq_count, flags);
+}
+
+/* How many communicator requests ended with a sub-request's error that libmpi would have dropped. */
+unsigned long rank_fixes_kept_errors(void)
+{
+    return __atomic_load_n(&kept, __ATOMIC_RELAXED);
 }

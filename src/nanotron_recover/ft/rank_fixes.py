@@ -1,6 +1,6 @@
 """Fixes for Open MPI loaded into every rank, before libmpi (``rank_fixes.c``, see its comments).
 
-Three defects of Open MPI 5.0.x on this project's path:
+Four defects of Open MPI 5.0.x on this project's path:
 
 - **a failure notice during a communicator's creation.** Open MPI revokes, locally, every
   communicator that holds a process reported failed (``ompi_comm_set_rank_failed`` ->
@@ -23,7 +23,18 @@ Three defects of Open MPI 5.0.x on this project's path:
   such process" for a job family other than this launch's (processes a re-join spawns share it);
 - **a silent abort.** Open MPI's internal aborts (``ompi_rte_abort``) give their reason to the
   runtime only, which prints nothing with a recoverable job: the rank exited 255 with no word. The
-  reason, host and pid now go to the rank's stderr first.
+  reason, host and pid now go to the rank's stderr first;
+- **a failure inside a spawn's or a merge's context-id allocation.** ``Spawn`` and ``Merge`` agree on
+  the new communicator's context id with a nested request whose last step has no callback, and
+  Open MPI's progress loop then overwrites the error a failed step recorded with success: the
+  allocation starts another round against the failed process, forever (``NBC_Progress: an error
+  75`` once per round), no revoke ends it, and the spawned processes wait in ``MPI_Init``. A
+  re-join's members spun so in ``Spawn`` on CI. ``ompi_comm_request_schedule_append_w_flags`` is
+  defined here (libmpi's PLT) and gives such a step a callback that returns the recorded error:
+  the creation raises it (``MPI_ERR_PROC_FAILED``), and the join handles it like any failed stage
+  (reproduced with plain mpi4py in ``tests/integration/ft/test_rank_fixes.py``: the spawn's root
+  SIGKILLed as it starts the allocation's exchange; rank 1's ``Spawn`` never returns without the
+  fix, raises at once with it).
 
 The library must be in the process before libmpi: :func:`load` is called by :mod:`.ulfm` before it
 imports ``mpi4py.MPI`` (a plain run, which never shrinks, loads MPI elsewhere and goes without it),
@@ -104,6 +115,7 @@ def load() -> bool:
             _loaded = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             _loaded.rank_fixes_caught.restype = ctypes.c_ulong
             _loaded.rank_fixes_refused.restype = ctypes.c_ulong
+            _loaded.rank_fixes_kept_errors.restype = ctypes.c_ulong
         except (OSError, AttributeError) as e:
             _loaded, problem = None, str(e)
     if problem is not None and not _said:
@@ -117,6 +129,12 @@ def load() -> bool:
 def refused() -> int:
     """How many connections of processes of other launches this process refused (0 without it)."""
     return int(_loaded.rank_fixes_refused()) if _loaded is not None else 0
+
+
+def kept_errors() -> int:
+    """How many communicator requests of this process ended with the error of a step that libmpi
+    alone would have dropped (0 without the fix)."""
+    return int(_loaded.rank_fixes_kept_errors()) if _loaded is not None else 0
 
 
 def caught() -> int:

@@ -6,6 +6,11 @@ sandialabs/Fenix#136); with the fix loaded they finish the creation, shrink and 
 ``tests/helpers/mpi_workers/rank_fixes_worker.py`` on 3 ranks, the last one SIGKILLed as it enters
 ``ompi_comm_activate`` of a ``Dup`` (``die_in_activate.c``). A hang fails through the job's timeout.
 
+The context-id fix: the root of a ``Spawn`` SIGKILLed as it starts the allocation's exchange with
+the spawned process's root (``die_in_nextcid.c``, ``spawn_root_death_worker.py``): without the fix
+the other parent's ``Spawn`` never returns, printing ``NBC_Progress: an error 75`` for every round;
+with it, it raises ``MPI_ERR_PROC_FAILED`` at once.
+
 The launch filter: a crafted TCP handshake from "another launch"; the abort's reason: ``MPI_Abort``
 in one process.
 """
@@ -16,12 +21,13 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from nanotron_recover.ft import native, rank_fixes
-from tests.helpers.mpirun_utils import start_mpirun, wait_mpirun
+from tests.helpers.mpirun_utils import kill_tree, start_mpirun, wait_mpirun
 
 WORKERS = Path(__file__).resolve().parents[3] / "tests" / "helpers" / "mpi_workers"
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
@@ -77,6 +83,69 @@ def test_without_the_fix_the_survivors_crash_in_open_mpi(tmp_path):
     results, log = _run(tmp_path, fixed=False)
     assert results == {}, results
     assert "ompi_comm_revoke_local" in log and "Failing at address: 0x450" in log, log[-4000:]
+
+
+MPI_ERR_PROC_FAILED = 75  # Open MPI's mpi-ext.h (MPIX_ERR_PROC_FAILED)
+# How long the unfixed Spawn is watched after the root entered it (the fixed one returns in well
+# under a second: 0.3 s measured).
+HANG_WATCH_S = 10.0
+
+
+def _spawn_with_dying_root(tmp_path: Path, fixed: bool) -> tuple[dict | None, str]:
+    """The spawn of ``spawn_root_death_worker.py``: rank 1's record (None if its ``Spawn`` had not
+    ended ``HANG_WATCH_S`` after the root entered it, or by ``RUN_TIMEOUT_S`` with the fix) and the
+    job's output. The job is ended here either way: the spawned process waits in ``MPI_Init`` for
+    the dead root."""
+    import json
+
+    out = tmp_path / ("fixed" if fixed else "bare")
+    out.mkdir()
+    die = native.build(WORKERS / "die_in_nextcid.c", tmp_path, native.compiler())
+    env = {
+        **os.environ,
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    env.pop(rank_fixes.ENV, None)
+    if fixed:
+        env.update(rank_fixes.rank_env(tmp_path))
+        assert env.get(rank_fixes.ENV), "the fix did not build"
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm"]
+    cmd += ["--prtemca", "state_base_recoverable", "1", "--mca", "coll", "^han,cuda", "--mca", "btl", "^ofi"]
+    cmd += ["-n", "2", sys.executable, str(WORKERS / "spawn_root_death_worker.py")]
+    cmd += ["--out", str(out), "--die-lib", str(die)]
+    proc = start_mpirun(cmd, env)
+    record_path = out / "rank1.json"
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (out / "rank0.spawning").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not fixed:
+            deadline = min(deadline, time.monotonic() + HANG_WATCH_S)
+        while not record_path.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        kill_tree(proc.pid)
+        log, _ = proc.communicate()
+    assert (out / "rank0.spawning").exists() and (out / "rank1.spawning").exists(), log[-4000:]
+    return (json.loads(record_path.read_text()) if record_path.exists() else None), log
+
+
+def test_a_spawn_whose_root_dies_in_the_context_id_allocation_raises(tmp_path):
+    record, log = _spawn_with_dying_root(tmp_path, fixed=True)
+    assert record is not None, log[-4000:]
+    assert record["fix_loaded"] is True, record
+    assert record["spawn"] == MPI_ERR_PROC_FAILED, record
+    assert record["kept"] >= 1, record  # the error came back through the fix, not another path
+
+
+def test_without_the_fix_a_spawn_whose_root_died_never_returns(tmp_path):
+    """Shows the defect is still in the Open MPI the tests run on: if this test fails, Open MPI no
+    longer drops the error of a context-id round and that part of the fix can go."""
+    record, log = _spawn_with_dying_root(tmp_path, fixed=False)
+    assert record is None, record
+    assert log.count("NBC_Progress: an error 75") >= 10, log[-4000:]  # one per round, retried
 
 
 def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
