@@ -17,8 +17,9 @@ import pytest
 from nanotron_recover import fencing
 from nanotron_recover.frozen_processes import FrozenProcessWatch, Watched
 from nanotron_recover.ft.liveness import heartbeat_file, rank_heartbeat_file
-from nanotron_recover.ft.processes import _start_ticks
+from nanotron_recover.ft.processes import ProcessInfo, _start_ticks
 from nanotron_recover.ft.records import read_records
+from nanotron_recover.ft.suspects import note_suspects
 
 
 class Clock:
@@ -218,6 +219,45 @@ def test_a_launch_rank_with_a_node_mate_gets_one_more_timeout_first(tmp_path, sl
     assert sleeper.wait(timeout=10) == -signal.SIGKILL
     (record,) = read_records(tmp_path, [0])
     assert record["kind"] == "hang" and "13 s" in record["message"]
+
+
+@pytest.mark.parametrize("alone", [True, False], ids=["alone", "with_node_mates"])
+def test_a_launch_rank_a_rank_named_failed_is_removed_after_the_timeout_alone(tmp_path, sleeper, alone):
+    """A rank's ULFM detector declared the process failed and named it (``ft/suspects.py``): once
+    its own file has not changed for the heartbeat timeout it is removed, without the periods'
+    wait, since the other ranks may not have been told and wait for its death."""
+    here = socket.gethostname()
+    beat_path = rank_heartbeat_file(tmp_path, here, sleeper.pid)
+    beat_path.parent.mkdir(parents=True)
+    beat_path.touch()
+    clock = Clock()
+    watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
+    rows = [(0, here, sleeper.pid), (1, "node-a", 11) if alone else (1, here, os.getpid())]
+    rank_table(tmp_path, rows)
+    watch.poll()
+    clock.now = 5.5
+    assert watch.poll() is None and sleeper.poll() is None  # silent, but nobody named it
+    note_suspects(tmp_path, [ProcessInfo(0, here, sleeper.pid, None)], my_host="another-node")
+    assert watch.poll() is None
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL
+    (record,) = read_records(tmp_path, [0])
+    assert record["kind"] == "hang" and "for 5 s" in record["message"], record
+    assert watch.lost_at == 5.5
+
+
+def test_a_named_process_that_still_beats_is_never_touched(tmp_path, sleeper):
+    """A detector's mistake (the process is healthy and beats): the name alone removes nothing."""
+    here = socket.gethostname()
+    path = beat(tmp_path, here, sleeper.pid)
+    clock = Clock()
+    watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
+    rank_table(tmp_path, [(0, here, sleeper.pid)])
+    note_suspects(tmp_path, [ProcessInfo(0, here, sleeper.pid, None)], my_host="another-node")
+    for second in range(1, 30):
+        clock.now = float(second)
+        os.utime(path, (1000.0 + second, 1000.0 + second))
+        assert watch.poll() is None
+    assert sleeper.poll() is None and read_records(tmp_path) == []
 
 
 def test_a_remote_process_is_killed_through_slurm_or_the_job_is_relaunched(tmp_path, monkeypatch):
