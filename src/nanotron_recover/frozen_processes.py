@@ -35,13 +35,15 @@ first) belongs to a frozen process:
    :meth:`poll` says so and the supervisor ends the job and relaunches it at once, instead of
    waiting out the commit deadline's repair bound for a repair that cannot come.
 
-A launch rank that a rank's ULFM detector has already declared failed, and named for the
-supervisor (``ft/suspects.py``: ``<host>.<pid>``, written by the first rank to learn of it), is
-removed as soon as its own file has not changed for the heartbeat timeout: two witnesses agree,
-and MPI has given it up already. The other ranks may not have been told (Open MPI 5.0.11 tells
-the detector's verdict to the observer only) and then wait in the step until the runtime reports
-the process's death; measured on the emulated cluster, a frozen launch rank's step was repaired
-8.1-8.6 s after the freeze with the three periods' wait, the re-join started only after it.
+A launch rank some rank has learned failed is named for the supervisor (``ft/suspects.py``:
+``<host>.<pid>``, by the first rank on another host to learn of it, e.g. its ULFM detector's
+observer). Once such a rank's own file (``.rank``) has not changed for the heartbeat timeout, it is
+removed without the three periods' wait, if it still runs (a crash the job has not repaired yet,
+on a long step, is the runtime's to report and gets no ``hang`` record): MPI has given it up
+already, and the other ranks may not have been told (Open MPI 5.0.11 tells a detector's verdict to
+the observer only) and wait for its death. Measured on the emulated cluster before this: a frozen
+launch rank's step was repaired 8.1-8.6 s after the freeze, at the supervisor's kill. A launch
+rank whose observer is a node-mate is named by nobody (its node-mates remove it: ``ft/processes.py``).
 
 A silent process the job has already removed itself (shrunk away after the runtime reported its
 death, marked ``fence/<host>-<pid>``: :func:`.fencing.removed_marker`) stays in the rank table
@@ -68,6 +70,7 @@ from .atomic_file import file_version
 from .failures import Kind
 from .fencing import removed_marker
 from .ft.liveness import LAUNCH_SUFFIX, RANK_SUFFIX
+from .ft.processes import ProcessInfo, still_running
 from .ft.records import write_record
 from .ft.suspects import suspect_names
 from .host_probe import PROBE_TRY_S, run_bounded
@@ -128,7 +131,13 @@ class FrozenProcessWatch:
         (the job must be ended and relaunched), else None."""
         now = self.clock()
         table = self._table()
-        found = self._frozen(now, table)
+        found = []
+        for watched, last_beat, silent_s in self._frozen(now, table):
+            if silent_s < self._bound(watched) and self._alive(watched) is False:
+                # Named and silent, but dead: a crash the job repairs; no record, no repair bound.
+                self._removed.add((watched.host, watched.pid))
+                continue
+            found.append((watched, last_beat, silent_s))
         removed_by_the_job = {w for w, _, _ in found if self._removed_by_the_job(w)}
         if len(removed_by_the_job) < len(found):
             self.lost_at = now
@@ -207,7 +216,8 @@ class FrozenProcessWatch:
             if seen is None or seen[0] != mtime:
                 self._seen[path.name] = (mtime, now)
                 continue
-            bound = self.timeout_s if f"{host}.{pid}" in suspects else self._bound(watched)
+            named = path.name.endswith(RANK_SUFFIX) and f"{host}.{pid}" in suspects
+            bound = self.timeout_s if named else self._bound(watched)
             if now - seen[1] > bound:
                 found.append((watched, mtime, bound))
         return found
@@ -239,6 +249,16 @@ class FrozenProcessWatch:
         last = read_commit(self.run_dir)
         return 1 if last is None else last.step + 1
 
+    def _alive(self, watched: Watched) -> bool | None:
+        """Whether the process still runs, its start time checked; None when that cannot be told
+        (no Slurm, or its node runs no step)."""
+        if watched.host == self.local_host:
+            return still_running(ProcessInfo(watched.rank, watched.host, watched.pid, watched.start_ticks))
+        if not self.slurm_job:
+            return None
+        status, _ = run_bounded(self._on_node(watched, "exit 0", absent=3), KILL_TRY_S, output=False)
+        return {0: True, 3: False}.get(status) if status is not None else None
+
     def _kill(self, watched: Watched) -> bool:
         """SIGKILL the process on its node; whether that was done (or it was gone already)."""
         if watched.host == self.local_host:
@@ -251,17 +271,21 @@ class FrozenProcessWatch:
             return True
         if not self.slurm_job:
             return False
+        status, _ = run_bounded(self._on_node(watched, "kill -KILL $p", absent=0), KILL_TRY_S, output=False)
+        return status == 0
+
+    def _on_node(self, watched: Watched, action: str, *, absent: int) -> list[str]:
+        """A one-task ``srun --overlap`` step on the process's node that runs ``action`` (``$p`` the
+        pid) if the process is there, else exits ``absent``."""
         ticks = "" if watched.start_ticks is None else str(watched.start_ticks)
         # Field 22 of /proc/<pid>/stat, the start time: after the command name (in parentheses),
         # the 20th field. A process with another start time is not the frozen one: left alone.
         script = (
-            f'p={watched.pid}; t="{ticks}"; [ -r /proc/$p/stat ] || exit 0; '
+            f'p={watched.pid}; t="{ticks}"; [ -r /proc/$p/stat ] || exit {absent}; '
             "set -- $(sed 's/.*) //' /proc/$p/stat); "
-            '[ -z "$t" ] || [ "${20}" = "$t" ] || exit 0; kill -KILL $p'
+            f'[ -z "$t" ] || [ "${{20}}" = "$t" ] || exit {absent}; {action}'
         )
-        cmd = [
+        return [
             "srun", "--overlap", f"--jobid={self.slurm_job}", "-N", "1", "-n", "1",
             "-w", watched.host, "--time", "1", "sh", "-c", script,
         ]  # fmt: skip
-        status, _ = run_bounded(cmd, KILL_TRY_S, output=False)
-        return status == 0

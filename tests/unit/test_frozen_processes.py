@@ -245,6 +245,75 @@ def test_a_launch_rank_a_rank_named_failed_is_removed_after_the_timeout_alone(tm
     assert watch.lost_at == 5.5
 
 
+def test_a_named_launch_rank_that_died_gets_no_record_and_no_repair_bound(tmp_path, sleeper):
+    """A crash the runtime reported (named too) that the job has not repaired yet, on a long step:
+    no ``hang`` record (the incident stays a crash) and no repair bound."""
+    here = socket.gethostname()
+    beat_path = rank_heartbeat_file(tmp_path, here, sleeper.pid)
+    beat_path.parent.mkdir(parents=True)
+    beat_path.touch()
+    clock = Clock()
+    watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
+    rank_table(tmp_path, [(0, here, sleeper.pid), (1, "node-a", 11)])
+    watch.poll()
+    sleeper.kill()
+    sleeper.wait(timeout=10)
+    note_suspects(tmp_path, [ProcessInfo(0, here, sleeper.pid, None)], my_host="another-node")
+    clock.now = 5.5
+    assert watch.poll() is None and watch.lost_at is None and read_records(tmp_path) == []
+    clock.now = 30.0
+    assert watch.poll() is None and read_records(tmp_path) == []  # once
+
+
+def test_a_named_spawned_process_keeps_its_bound(tmp_path, sleeper):
+    """The timeout alone holds for launch ranks' own files only: a spawned process is not watched
+    by ULFM's detector, so its name comes from a death report, not a verdict."""
+    here = socket.gethostname()
+    beat(tmp_path, here, sleeper.pid)
+    clock = Clock()
+    watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
+    rank_table(tmp_path, [(0, here, sleeper.pid), (1, "node-a", 11)])
+    note_suspects(tmp_path, [ProcessInfo(0, here, sleeper.pid, None)], my_host="another-node")
+    watch.poll()
+    clock.now = 7.9
+    assert watch.poll() is None and sleeper.poll() is None
+    clock.now = 8.1
+    assert watch.poll() is None
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("there", [True, False], ids=["frozen", "dead"])
+def test_a_named_remote_launch_rank_is_checked_on_its_node_first(tmp_path, monkeypatch, there):
+    """On another node: one srun step tells whether the named process still runs (exit 3: gone);
+    only a running one gets the record and the kill."""
+    calls: list[list[str]] = []
+
+    def srun(cmd, timeout_s, output=True):
+        calls.append(cmd)
+        if "kill -KILL" in cmd[-1]:
+            return 0, ""
+        return (0 if there else 3), ""
+
+    monkeypatch.setattr("nanotron_recover.frozen_processes.run_bounded", srun)
+    path = rank_heartbeat_file(tmp_path, "node-b", 4242)
+    path.parent.mkdir(parents=True)
+    path.touch()
+    clock = Clock()
+    watch = FrozenProcessWatch(tmp_path, 1.0, 5.0, slurm_job="77", local_host="batch", clock=clock)
+    rank_table(tmp_path, [(0, "node-a", 11), (1, "node-b", 4242)])
+    note_suspects(tmp_path, [ProcessInfo(1, "node-b", 4242, None)], my_host="node-a")
+    watch.poll()
+    clock.now = 5.5
+    assert watch.poll() is None
+    assert "exit 3" in calls[0][-1] and "p=4242" in calls[0][-1]
+    if there:
+        assert len(calls) == 2 and "kill -KILL $p" in calls[1][-1]
+        (record,) = read_records(tmp_path, [1])
+        assert record["kind"] == "hang" and watch.lost_at == 5.5
+    else:
+        assert len(calls) == 1 and read_records(tmp_path) == [] and watch.lost_at is None
+
+
 def test_a_named_process_that_still_beats_is_never_touched(tmp_path, sleeper):
     """A detector's mistake (the process is healthy and beats): the name alone removes nothing."""
     here = socket.gethostname()

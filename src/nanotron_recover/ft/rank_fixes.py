@@ -34,7 +34,7 @@ Four defects of Open MPI 5.0.x on this project's path:
   the creation raises it (``MPI_ERR_PROC_FAILED``), and the join handles it like any failed stage
   (reproduced with plain mpi4py in ``tests/integration/ft/test_rank_fixes.py``: the spawn's root
   SIGKILLed as it starts the allocation's exchange; rank 1's ``Spawn`` never returns without the
-  fix, raises at once with it).
+  fix, raises at once with it; ``Merge`` takes the same path by reading, untested).
 
 The library must be in the process before libmpi: :func:`load` is called by :mod:`.ulfm` before it
 imports ``mpi4py.MPI`` (a plain run, which never shrinks, loads MPI elsewhere and goes without it),
@@ -132,8 +132,8 @@ def refused() -> int:
 
 
 def kept_errors() -> int:
-    """How many communicator requests of this process ended with the error of a step that libmpi
-    alone would have dropped (0 without the fix)."""
+    """How many callback-less steps of this process's communicator requests returned an error that
+    libmpi alone would have dropped (0 without the fix)."""
     return int(_loaded.rank_fixes_kept_errors()) if _loaded is not None else 0
 
 

@@ -442,12 +442,14 @@ def test_members_killed_inside_the_spawn_and_the_merge(tmp_path, tmp_path_factor
     the header's broadcast): each join aborts on every member at that stage, its spawned process
     dies with it, training goes on at its width, and later joins bring every replica back.
 
-    Under ``launch``, as a user runs it: twice in CI (a busy machine) the join right after the
-    aborted one spun in its spawn until the test's time limit or the join deadline, a failure met
-    in the spawn's context-id allocation that Open MPI retried forever (now ended by
-    ``ft/rank_fixes.c``; pinned in ``tests/integration/ft/test_rank_fixes.py``). Should a join
-    still hang, the job gives itself up and is relaunched from node memory (that path has not been
-    seen in this test here: it asserts the path each run takes)."""
+    Under ``launch``, as a user runs it: once in CI (a busy machine) the join right after the
+    aborted one waited in its spawn for a process that went silent (5.9 s, as one in ``MPI_Init``
+    does) while libnbc printed ``NBC_Progress: an error 75`` until the test's time limit, likely a
+    failure met in the spawn's context-id allocation, which Open MPI retried forever (now ended by
+    ``ft/rank_fixes.c``; pinned in ``tests/integration/ft/test_rank_fixes.py``); once the run took
+    306.9 s (the join deadline is 300 s) and ``mpirun`` exited 0 with 4 of 10 steps (output not
+    kept). Should a join still hang, the job gives itself up and is relaunched from node memory
+    (that path has not been seen in this test here: it asserts the path each run takes)."""
     steps = 10
     corpus = local_dataset.corpus_dir
     faults = [
