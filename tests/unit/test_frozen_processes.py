@@ -48,6 +48,14 @@ def beat(run_dir: Path, host: str, pid: int, launched: bool = False, at: float |
     return path
 
 
+def rank_beat(run_dir: Path, host: str, pid: int) -> Path:
+    """A launch rank's own beat file (``.rank``), as it writes it."""
+    path = rank_heartbeat_file(run_dir, host, pid)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    return path
+
+
 @pytest.fixture
 def sleepers():
     """Starts idle processes (stand-ins for ranks) on call; every one is ended after the test."""
@@ -205,9 +213,7 @@ def test_a_launch_rank_with_a_node_mate_gets_one_more_timeout_first(tmp_path, sl
     """A launch rank's own beat (``.rank``): ULFM and its node-mates' monitors act within the
     timeout; the supervisor only after one more, should the news not have reached the others."""
     here = socket.gethostname()
-    beat_path = rank_heartbeat_file(tmp_path, here, sleeper.pid)
-    beat_path.parent.mkdir(parents=True)
-    beat_path.touch()
+    rank_beat(tmp_path, here, sleeper.pid)
     clock = Clock()
     watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
     rank_table(tmp_path, [(0, here, sleeper.pid), (1, here, os.getpid())])
@@ -227,9 +233,7 @@ def test_a_launch_rank_a_rank_named_failed_is_removed_after_the_timeout_alone(tm
     its own file has not changed for the heartbeat timeout it is removed, without the periods'
     wait, since the other ranks may not have been told and wait for its death."""
     here = socket.gethostname()
-    beat_path = rank_heartbeat_file(tmp_path, here, sleeper.pid)
-    beat_path.parent.mkdir(parents=True)
-    beat_path.touch()
+    rank_beat(tmp_path, here, sleeper.pid)
     clock = Clock()
     watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
     rows = [(0, here, sleeper.pid), (1, "node-a", 11) if alone else (1, here, os.getpid())]
@@ -249,9 +253,7 @@ def test_a_named_launch_rank_that_died_gets_no_record_and_no_repair_bound(tmp_pa
     """A crash the runtime reported (named too) that the job has not repaired yet, on a long step:
     no ``hang`` record (the incident stays a crash) and no repair bound."""
     here = socket.gethostname()
-    beat_path = rank_heartbeat_file(tmp_path, here, sleeper.pid)
-    beat_path.parent.mkdir(parents=True)
-    beat_path.touch()
+    rank_beat(tmp_path, here, sleeper.pid)
     clock = Clock()
     watch = FrozenProcessWatch(tmp_path, period_s=1.0, timeout_s=5.0, local_host=here, clock=clock)
     rank_table(tmp_path, [(0, here, sleeper.pid), (1, "node-a", 11)])
@@ -295,9 +297,7 @@ def test_a_named_remote_launch_rank_is_checked_on_its_node_first(tmp_path, monke
         return (0 if there else 3), ""
 
     monkeypatch.setattr("nanotron_recover.frozen_processes.run_bounded", srun)
-    path = rank_heartbeat_file(tmp_path, "node-b", 4242)
-    path.parent.mkdir(parents=True)
-    path.touch()
+    rank_beat(tmp_path, "node-b", 4242)
     clock = Clock()
     watch = FrozenProcessWatch(tmp_path, 1.0, 5.0, slurm_job="77", local_host="batch", clock=clock)
     rank_table(tmp_path, [(0, "node-a", 11), (1, "node-b", 4242)])

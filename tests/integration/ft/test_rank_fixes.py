@@ -40,12 +40,8 @@ pytestmark = [
 ]
 
 
-def _run(tmp_path: Path, fixed: bool) -> tuple[dict[int, dict], str]:
-    import json
-
-    out = tmp_path / ("fixed" if fixed else "bare")
-    out.mkdir()
-    die = native.build(WORKERS / "die_in_activate.c", tmp_path, native.compiler())
+def _job_env(tmp_path: Path, fixed: bool) -> dict[str, str]:
+    """The environment of a plain-mpi4py job, with the fix's library named or not."""
     env = {
         **os.environ,
         "OMPI_ALLOW_RUN_AS_ROOT": "1",
@@ -56,6 +52,16 @@ def _run(tmp_path: Path, fixed: bool) -> tuple[dict[int, dict], str]:
     if fixed:
         env.update(rank_fixes.rank_env(tmp_path))
         assert env.get(rank_fixes.ENV), "the fix did not build"
+    return env
+
+
+def _run(tmp_path: Path, fixed: bool) -> tuple[dict[int, dict], str]:
+    import json
+
+    out = tmp_path / ("fixed" if fixed else "bare")
+    out.mkdir()
+    die = native.build(WORKERS / "die_in_activate.c", tmp_path, native.compiler())
+    env = _job_env(tmp_path, fixed)
     cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm"]
     cmd += ["--mca", "coll", "^han,cuda", "--mca", "btl", "^ofi", "-n", "3"]
     cmd += [sys.executable, str(WORKERS / "rank_fixes_worker.py"), "--out", str(out), "--die-lib", str(die)]
@@ -101,16 +107,7 @@ def _spawn_with_dying_root(tmp_path: Path, fixed: bool) -> tuple[dict | None, st
     out = tmp_path / ("fixed" if fixed else "bare")
     out.mkdir()
     die = native.build(WORKERS / "die_in_nextcid.c", tmp_path, native.compiler())
-    env = {
-        **os.environ,
-        "OMPI_ALLOW_RUN_AS_ROOT": "1",
-        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-        "OMP_NUM_THREADS": "1",
-    }
-    env.pop(rank_fixes.ENV, None)
-    if fixed:
-        env.update(rank_fixes.rank_env(tmp_path))
-        assert env.get(rank_fixes.ENV), "the fix did not build"
+    env = _job_env(tmp_path, fixed)
     cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm"]
     cmd += ["--prtemca", "state_base_recoverable", "1", "--mca", "coll", "^han,cuda", "--mca", "btl", "^ofi"]
     cmd += ["-n", "2", sys.executable, str(WORKERS / "spawn_root_death_worker.py")]
