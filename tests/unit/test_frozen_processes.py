@@ -278,7 +278,7 @@ def test_a_named_spawned_process_keeps_its_bound(tmp_path, sleeper):
     note_suspects(tmp_path, [ProcessInfo(0, here, sleeper.pid, None)], my_host="another-node")
     watch.poll()
     clock.now = 7.9
-    assert watch.poll() is None and sleeper.poll() is None
+    assert watch.poll() is None and read_records(tmp_path) == [] and sleeper.poll() is None
     clock.now = 8.1
     assert watch.poll() is None
     assert sleeper.wait(timeout=10) == -signal.SIGKILL
