@@ -132,26 +132,26 @@ class FrozenProcessWatch:
         now = self.clock()
         table = self._table()
         found = []
-        for watched, last_beat, silent_s in self._frozen(now, table):
-            if silent_s < self._bound(watched) and self._alive(watched) is False:
+        for watched, last_beat, bound in self._frozen(now, table):
+            if bound < self._bound(watched) and self._alive(watched) is False:  # the named rule
                 # Named and silent, but dead: a crash the job repairs; no record, no repair bound.
                 self._removed.add((watched.host, watched.pid))
                 continue
-            found.append((watched, last_beat, silent_s))
+            found.append((watched, last_beat, bound))
         removed_by_the_job = {w for w, _, _ in found if self._removed_by_the_job(w)}
         if len(removed_by_the_job) < len(found):
             self.lost_at = now
-        for watched, last_beat, silent_s in found:
+        for watched, last_beat, bound in found:
             self._removed.add((watched.host, watched.pid))
             if watched in removed_by_the_job:
                 self._kill(watched)  # in case it is frozen, not dead; the job goes on without it
                 continue
-            self._record(watched, last_beat, silent_s)
+            self._record(watched, last_beat, bound)
             if not self._kill(watched):
                 where = "alone on its node" if watched.alone else "with node-mates"
                 return (
                     f"rank {watched.rank} (pid {watched.pid} on {watched.host}, {where}) sent no "
-                    f"heartbeat for {silent_s:.0f} s and could not be removed"
+                    f"heartbeat for {bound:.0f} s and could not be removed"
                 )
         if found and table and all(key in self._removed for key in table):
             # No member is left to repair the step: waiting out the repair bound helps nobody.
@@ -226,10 +226,10 @@ class FrozenProcessWatch:
         return removed_marker(self.run_dir, watched.host, watched.pid).exists()
 
     # -- removing -----------------------------------------------------------------------------
-    def _record(self, watched: Watched, last_beat: float, silent_s: float) -> None:
+    def _record(self, watched: Watched, last_beat: float, bound: float) -> None:
         message = (
             f"rank {watched.rank} (pid {watched.pid} on {watched.host}) sent no heartbeat for "
-            f"{silent_s:.0f} s; removed by the supervisor"
+            f"{bound:.0f} s; removed by the supervisor"
         )
         record = {
             "rank": watched.rank,
@@ -257,7 +257,7 @@ class FrozenProcessWatch:
         if not self.slurm_job:
             return None
         status, _ = run_bounded(self._on_node(watched, "exit 0", absent=3), KILL_TRY_S, output=False)
-        return {0: True, 3: False}.get(status) if status is not None else None
+        return {0: True, 3: False}.get(status)  # None: it could not be told (no answer in time)
 
     def _kill(self, watched: Watched) -> bool:
         """SIGKILL the process on its node; whether that was done (or it was gone already)."""
