@@ -159,6 +159,10 @@ def totals_over(segments: list[dict], dp: int) -> dict:
         "full_width_share": sum(s * w for s, w in weighted) / sum(w for _, w in weighted)
         if weighted
         else None,
+        "below_full_width_s": {
+            where: sum(r["totals"].get("below_full_width", {}).get(where, 0.0) for r in segments)
+            for where in ("in_fault_windows_s", "outside_s")
+        },
         "relaunches": sum(r["totals"]["relaunches"] for r in segments),
         "relaunches_by_kind": {k: incidents.count(k) for k in ("node_lost", "job_lost", "stalled", "regrow")},
         "rejoins_joined": sum(r["totals"]["rejoins_joined"] for r in segments),
@@ -218,6 +222,8 @@ def summary_lines(result: dict, args: argparse.Namespace, machine: dict) -> list
         f"| steps redone (relaunches) | {t['steps_redone']} |",
         f"| share of wall time at full width ({DP} replicas) | "
         + (f"{t['full_width_share']:.1%} |" if t["full_width_share"] is not None else "- |"),
+        "| time not at full width: in the faults' windows (fault to full width) / outside them | "
+        f"{t['below_full_width_s']['in_fault_windows_s']:.0f} / {t['below_full_width_s']['outside_s']:.0f} s |",
         f"| relaunches (node_lost / job_lost / stalled / regrow) | {t['relaunches']} ("
         + " / ".join(str(v) for v in t["relaunches_by_kind"].values())
         + ") |",

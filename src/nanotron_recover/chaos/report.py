@@ -10,13 +10,15 @@ next commit and to the next commit at full width, and the steps redone (a relaun
 
 Totals: the share of the wall time (first to last commit) spent training at full width (``replicas``
 equal to the initial ``dp`` at both ends of the time between two commits, a relaunch's gap excluded:
-:func:`full_width_share`), relaunches, failed and given-up re-joins, healthy ranks declared dead (a rank in
-an incident's ``failed_ranks`` whose replica no fault of that window struck, or any before the first
-fault), relaunches at full width (a relaunch in a fault's window after the job was back at full
-width, or before the first fault: no reaction to a fault, the job was lost with every replica in
-it), the launch's exit status, the final width, and equality with the plain run: every step
-1..N committed with the reference's ``ids_digest`` and a loss within 1e-5 relative (bit for bit,
-loss and grad norm, with ``recover.exact``), the comparison :mod:`..compare` makes.
+:func:`full_width_share`), where the rest went (:func:`below_full_width`: inside some fault's
+window, from the fault to the next commit at full width, or outside every window), relaunches,
+failed and given-up re-joins, healthy ranks declared dead (a rank in an incident's ``failed_ranks``
+whose replica no fault of that window struck, or any before the first fault), relaunches at full
+width (a relaunch in a fault's window after the job was back at full width, or before the first
+fault: no reaction to a fault, the job was lost with every replica in it), the launch's exit status,
+the final width, and equality with the plain run: every step 1..N committed with the reference's
+``ids_digest`` and a loss within 1e-5 relative (bit for bit, loss and grad norm, with
+``recover.exact``), the comparison :mod:`..compare` makes.
 
 The campaign's own exit status (:func:`verdict`): 0 only when the job exited 0, equals the plain
 run and did not hang, and every fault was sent; 3 for a hang; 1 for a job that failed or left the
@@ -79,6 +81,31 @@ def compare_with_reference(run_dir: Path, ref_dir: Path, steps: int, exact: bool
     }
 
 
+def _gaps(
+    metrics: list[dict[str, Any]], dp: int, relaunched_steps: set[int] | frozenset[int]
+) -> list[tuple[float, float, bool]]:
+    """Each time between two timed commits as ``(start, end, at_full_width)``: see
+    :func:`full_width_share` for which count as full width."""
+    timed = [r for r in metrics if isinstance(r.get("time"), (int, float))]
+    if len(timed) < 2:
+        return []
+    stall_s = STALL_FACTOR * statistics.median(
+        b["time"] - a["time"] for a, b in zip(timed, timed[1:], strict=False)
+    )
+    # A relaunch may redo a step: the new launch's commit of it is the last record of that step.
+    last_of_step = {r["step"]: i for i, r in enumerate(timed)}
+    gaps = []
+    for i, (a, b) in enumerate(zip(timed, timed[1:], strict=False), start=1):
+        full = (
+            a.get("replicas") == dp
+            and b.get("replicas") == dp
+            and not (b["step"] in relaunched_steps and last_of_step.get(b["step"]) == i)
+            and b["time"] - a["time"] <= stall_s
+        )
+        gaps.append((a["time"], b["time"], full))
+    return gaps
+
+
 def full_width_share(
     metrics: list[dict[str, Any]], dp: int, relaunched_steps: set[int] | frozenset[int] = frozenset()
 ) -> float | None:
@@ -91,24 +118,47 @@ def full_width_share(
     the wait of a re-join before its first full step count for their seconds as time not at full
     width, whatever width the job comes back at. A stall with every replica still in the job (the
     others waiting for a cut-off one) is no time at full width either: nothing trained."""
-    timed = [r for r in metrics if isinstance(r.get("time"), (int, float))]
-    if len(timed) < 2:
+    gaps = _gaps(metrics, dp, relaunched_steps)
+    if not gaps:
         return None
-    total = timed[-1]["time"] - timed[0]["time"]
-    gaps = [b["time"] - a["time"] for a, b in zip(timed, timed[1:], strict=False)]
-    stall_s = STALL_FACTOR * statistics.median(gaps)
-    # A relaunch may redo a step: the new launch's commit of it is the last record of that step.
-    last_of_step = {r["step"]: i for i, r in enumerate(timed)}
-    full = 0.0
-    for i, (a, b) in enumerate(zip(timed, timed[1:], strict=False), start=1):
-        if a.get("replicas") != dp or b.get("replicas") != dp:
-            continue
-        if b["step"] in relaunched_steps and last_of_step.get(b["step"]) == i:
-            continue
-        if b["time"] - a["time"] > stall_s:
-            continue
-        full += b["time"] - a["time"]
+    total = gaps[-1][1] - gaps[0][0]
+    full = sum(b - a for a, b, at_full in gaps if at_full)
     return full / total if total > 0 else None
+
+
+def below_full_width(
+    metrics: list[dict[str, Any]],
+    dp: int,
+    relaunched_steps: set[int] | frozenset[int],
+    fault_windows: list[tuple[float, float]],
+) -> dict[str, Any]:
+    """Where the time not at full width went: the seconds inside some fault's window (from the
+    fault to the job's next commit at full width) and the seconds outside every window -- a stall
+    with every replica in the job that no fault explains (a busy machine, a slow save), listed by
+    its commit times so it can be found in the logs."""
+    merged: list[list[float]] = []  # a fault sent before the last one's window closed
+    for start, end in sorted(fault_windows):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    inside = outside = 0.0
+    stalls = []
+    for a, b, at_full in _gaps(metrics, dp, relaunched_steps):
+        if at_full:
+            continue
+        covered = sum(max(0.0, min(b, end) - max(a, start)) for start, end in merged)
+        inside += covered
+        if b - a - covered > 0:
+            outside += b - a - covered
+            stalls.append({"from": a, "to": b, "outside_s": b - a - covered})
+    stalls.sort(key=lambda s: -s["outside_s"])
+    return {
+        "in_fault_windows_s": inside,
+        "outside_s": outside,
+        "outside_gaps": len(stalls),
+        "longest_outside": stalls[:10],
+    }
 
 
 def _describe_incident(i: dict[str, Any]) -> str:
@@ -143,6 +193,7 @@ def judge(
     metrics = list(watch.metrics.records)
     sent = run.sent
     faults = []
+    windows: list[tuple[float, float]] = []  # each sent fault's, up to the next commit at full width
     healthy_dead: list[dict[str, Any]] = []
     starts = [f["incidents_before"] for f in sent] + [len(incidents)]
     unexplained_relaunches: list[dict[str, Any]] = [
@@ -168,6 +219,7 @@ def judge(
         full = None
         if sent_at is not None:
             full = next((c for c in watch.commits if c.time > sent_at and c.replicas == dp), None)
+            windows.append((sent_at, full.time if full is not None else math.inf))
         relaunches = [i for i in window if i.get("kind") in RELAUNCH_KINDS]
         redone = sum(int(i.get("steps_redone", 0)) for i in relaunches)
         # A relaunch after the job was back at full width is no reaction to this fault: the job
@@ -204,16 +256,14 @@ def judge(
         compare_with_reference(run_dir, ref_dir, steps, exact) if ref_dir is not None and metrics else None
     )
     rejoins = [i for i in incidents if i.get("kind") == "rejoin"]
+    relaunched_steps = {int(i["step"]) for i in incidents if i.get("kind") in RELAUNCH_KINDS and "step" in i}
     totals = {
         "faults_planned": len(schedule.faults),
         "faults_sent": sum(1 for f in sent if f.get("sent_at") is not None),
         "faults_with_reaction": sum(1 for f in faults if f["reaction"]),
         "wall_s": run.ended_at - run.started_at,
-        "full_width_share": full_width_share(
-            metrics,
-            dp,
-            {int(i["step"]) for i in incidents if i.get("kind") in RELAUNCH_KINDS and "step" in i},
-        ),
+        "full_width_share": full_width_share(metrics, dp, relaunched_steps),
+        "below_full_width": below_full_width(metrics, dp, relaunched_steps, windows),
         "initial_replicas": dp,
         "final_replicas": metrics[-1].get("replicas") if metrics else None,
         "last_step": metrics[-1]["step"] if metrics else 0,
@@ -304,6 +354,12 @@ def markdown(record: dict[str, Any]) -> str:
         f"| faults with a recorded reaction | {t['faults_with_reaction']} |",
         f"| wall time | {t['wall_s']:.1f} s |",
         f"| share of wall time at full width ({t['initial_replicas']} replicas) | {_num(t['full_width_share'], '{:.1%}')} |",
+        "| time not at full width: in the faults' windows (fault to full width) / outside them | "
+        + (
+            f"{b['in_fault_windows_s']:.1f} / {b['outside_s']:.1f} s ({b['outside_gaps']} gaps) |"
+            if (b := t.get("below_full_width"))
+            else "- |"
+        ),
         f"| final replicas | {t['final_replicas']} |",
         f"| relaunches | {t['relaunches']} |",
         f"| re-joins joined / failed / given up | {t['rejoins_joined']} / {t['rejoins_failed']} / {t['rejoins_given_up']} |",

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from nanotron_recover.chaos.report import JOB_KINDS, RELAUNCH_KINDS, _describe_incident, full_width_share
+from nanotron_recover.chaos.report import (
+    JOB_KINDS,
+    RELAUNCH_KINDS,
+    _describe_incident,
+    full_width_share,
+    markdown,
+)
 
 
 def test_a_regrow_is_a_relaunch_not_a_rank_failure():
@@ -83,7 +89,7 @@ def _judged(incidents: list[dict], commits: list[tuple[int, float, int]], sent: 
         ended_at=100.0,
         exit_code=0,
         hang=None,
-        left_behind=0,
+        left_behind=[],
     )
     return judge(
         run=run,
@@ -104,6 +110,7 @@ def _sent(index: int, kind: str, incidents_before: int, rank: int, sent_at: floa
     return {
         "index": index,
         "kind": kind,
+        "scheduled_step": int(sent_at),
         "incidents_before": incidents_before,
         "signals": signals,
         "sent_at": sent_at,
@@ -129,3 +136,45 @@ def test_a_relaunch_after_the_job_was_back_at_full_width_is_no_reaction_to_the_f
     assert [(u["step"], u["after_fault"]) for u in record["relaunches_at_full_width"]] == [(5, None), (30, 0)]
     assert record["totals"]["relaunches_at_full_width"] == 2
     assert record["totals"]["relaunches"] == 3
+
+
+def test_time_below_full_width_is_split_between_the_faults_windows_and_the_rest():
+    """A fault's window runs from the fault to the next commit at full width; a stall with every
+    replica in the job outside every window is named, with its commit times, as unexplained."""
+    from nanotron_recover.chaos.report import below_full_width
+
+    commits = [(s, float(s), 3) for s in range(1, 11)]  # 1 s steps at full width
+    commits += [(11, 14.0, 2), (12, 15.0, 2), (13, 18.0, 3)]  # a kill at 10.5: back at 18 s
+    commits += [(s, float(s) + 5.0, 3) for s in range(14, 30)]
+    commits += [(30, 50.0, 3)]  # a 16 s stall with every replica in, no fault
+    commits += [(s, float(s) + 20.0, 3) for s in range(31, 40)]
+    metrics = [{"step": s, "time": t, "replicas": r} for s, t, r in commits]
+    split = below_full_width(metrics, 3, frozenset(), [(10.5, 18.0)])
+    # 10->14, 14->15, 15->18: 8 s below full width, 7.5 s of them after the fault was sent
+    assert split["in_fault_windows_s"] == pytest.approx(7.5)
+    assert split["outside_s"] == pytest.approx(0.5 + 16.0)
+    assert split["outside_gaps"] == 2
+    assert split["longest_outside"][0] == {"from": 34.0, "to": 50.0, "outside_s": pytest.approx(16.0)}
+    # Two overlapping windows count their seconds once.
+    twice = below_full_width(metrics, 3, frozenset(), [(10.5, 18.0), (12.0, 16.0)])
+    assert twice["in_fault_windows_s"] == pytest.approx(7.5)
+    # Together with the time at full width, the split accounts for the whole run.
+    total = metrics[-1]["time"] - metrics[0]["time"]
+    share = full_width_share(metrics, 3)
+    assert share * total + split["in_fault_windows_s"] + split["outside_s"] == pytest.approx(total)
+
+
+def test_the_judged_record_carries_the_split_with_each_fault_up_to_its_full_width_commit():
+    kill = _sent(0, "kill", 0, rank=1, sent_at=10.5)
+    incidents = [
+        {"kind": "crash", "step": 11, "failed_ranks": [1]},
+        {"kind": "rejoin", "step": 12, "status": "joined"},
+    ]
+    commits = [(s, float(s), 2 if s in (11, 12) else 3) for s in range(1, 31)]
+    commits[20] = (21, 40.0, 3)  # a stall of 19 s at steps 20->21, long after the fault
+    commits[21:] = [(s, float(s) + 19.0, 3) for s in range(22, 31)]
+    record = _judged(incidents, commits, [kill])
+    below = record["totals"]["below_full_width"]
+    assert below["in_fault_windows_s"] == pytest.approx(2.5)  # 10.5 -> 13, the first full commit
+    assert below["outside_s"] == pytest.approx(0.5 + 20.0)
+    assert "outside them | 2.5 / 20.5 s (2 gaps) |" in markdown(record)
