@@ -178,3 +178,20 @@ def test_the_judged_record_carries_the_split_with_each_fault_up_to_its_full_widt
     assert below["in_fault_windows_s"] == pytest.approx(2.5)  # 10.5 -> 13, the first full commit
     assert below["outside_s"] == pytest.approx(0.5 + 20.0)
     assert "outside them | 2.5 / 20.5 s (2 gaps) |" in markdown(record)
+
+
+def test_a_fault_that_struck_as_a_step_committed_is_back_at_full_width_only_after_its_reaction():
+    """The kill lands after the step's reduction: that step commits at full width 1 ms later, and
+    the crash and the relaunch come with the next step. The fault's time below full width runs to
+    the relaunch's commit, and that relaunch is the fault's reaction, not one at full width."""
+    kill = _sent(0, "kill_during_rejoin", 0, rank=1, sent_at=9.999)
+    incidents = [{"kind": "crash", "step": 11, "failed_ranks": [1]}, {"kind": "job_lost", "step": 13}]
+    commits = [(s, float(s), 3) for s in range(1, 11)]
+    commits += [(11, 11.0, 2), (12, 12.0, 2), (13, 20.0, 3)]  # the relaunch's first commit
+    commits += [(s, float(s) + 7.0, 3) for s in range(14, 30)]
+    record = _judged(incidents, commits, [kill])
+    assert record["faults"][0]["to_full_width_s"] == pytest.approx(20.0 - 9.999)
+    assert record["relaunches_at_full_width"] == []
+    below = record["totals"]["below_full_width"]
+    assert below["in_fault_windows_s"] == pytest.approx(10.0)  # 10 -> 20: all of it after the fault
+    assert below["outside_s"] == pytest.approx(0.0)
