@@ -14,7 +14,13 @@ reads the failed group (``MPI_Comm_get_failed``), acknowledges it so the next re
 receive. It polls with ``Test`` every ``poll_s`` (MPI is initialized with ``MPI_THREAD_MULTIPLE``).
 
 It skips its poll while the main thread is inside an agreement (:func:`.ulfm.agreement`: another
-thread's progress then can corrupt the agreement's value in Open MPI 5.0.x).
+thread's progress then can corrupt the agreement's value in Open MPI 5.0.x). The main thread's own
+progress inside the agreement still runs the detector and marks failed processes, so the watch
+then reads the failed group without progress (``MPI_Comm_get_failed`` is local and makes none)
+and tells the callbacks that only *name* failures (:meth:`FailureWatch.subscribe_during_agreement`):
+a rank frozen while its peers wait in an agreement (a step's or a recovery's) is named for the
+supervisor within the heartbeat timeout, not after the agreement ends. Nothing is acknowledged
+then; the failure reaches the other callbacks at the next poll outside the agreement.
 The thread's polling is also what carries ULFM's heartbeats while the main thread computes (the
 detector runs without a thread of its own, see :mod:`.heartbeat`), so there is one watch per
 process (:func:`ensure_watch`), started right after ``MPI_Init``; callbacks subscribe to it.
@@ -42,14 +48,17 @@ _TAG = 0x7A7C  # never sent by anyone
 class FailureWatch:
     def __init__(self, base: MPI.Comm, poll_s: float = 0.05) -> None:
         self._subscribers: list[Callable[[list[int], float], None]] = []
+        self._namers: list[Callable[[list[int], float], None]] = []
         self._poll_s = poll_s
         self._known: set[int] = set()
+        self._named: set[int] = set()  # told to the namers during agreements, not yet acknowledged
         self._start(base.Dup(), list(range(base.Get_size())))
 
     def _start(self, comm: MPI.Comm, logical: list[int]) -> None:
         comm.Set_errhandler(MPI.ERRORS_RETURN)
         self._comm = comm
         self._known = set()  # a new communicator starts with no failures
+        self._named = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run,
@@ -73,6 +82,12 @@ class FailureWatch:
         """Call ``on_failure(newly failed initial ranks, wall time)`` for every failure seen from now on."""
         self._subscribers.append(on_failure)
 
+    def subscribe_during_agreement(self, name_failures: Callable[[list[int], float], None]) -> None:
+        """Also call ``name_failures(newly failed logical ranks, wall time)`` for failures read while
+        the main thread is inside an agreement, when the watch makes no progress. The callback must
+        only take note (write a name, set a flag): the main thread is inside MPI meanwhile."""
+        self._namers.append(name_failures)
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2.0)
@@ -91,7 +106,9 @@ class FailureWatch:
         request = comm.Irecv(buf, source=MPI.ANY_SOURCE, tag=_TAG)
         while not stop.is_set():
             if not helper_may_progress():
-                stop.wait(self._poll_s)  # the main thread is inside an agreement (ulfm.agreement)
+                # The main thread is inside an agreement (ulfm.agreement): read, do not progress.
+                self._notice_without_progress(comm, group, logical)
+                stop.wait(self._poll_s)
                 continue
             try:
                 try:
@@ -118,6 +135,24 @@ class FailureWatch:
                     return
                 continue
             stop.wait(self._poll_s)
+
+    def _notice_without_progress(self, comm: MPI.Comm, group: MPI.Group, logical: list[int]) -> None:
+        if not self._namers:
+            return
+        try:
+            failed = self._failed_now(comm, group, logical)
+        except MPI.Exception:
+            return
+        new = sorted(failed - self._known - self._named)
+        if not new:
+            return
+        self._named |= set(new)
+        noticed = time.time()
+        for callback in list(self._namers):
+            try:
+                callback(new, noticed)
+            except Exception:
+                pass  # a failing callback must not stop the watch
 
 
 _watch: FailureWatch | None = None

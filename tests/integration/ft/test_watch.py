@@ -51,3 +51,53 @@ def test_the_watch_keeps_out_of_mpi_while_the_main_thread_agrees():
     # It polls before and after (every 1 ms), never during the agreement's 0.5 s.
     assert polls["before"] > 0 and polls["after"] > 0, polls
     assert polls["inside"] == 0, polls
+
+
+_NAMING_CHILD = """
+import json, threading, time
+from nanotron_recover.ft import ulfm, watch
+
+failed = []  # the ranks this process's MPI has marked failed (Get_failed's group)
+inside = threading.Event()
+calls = []
+
+class Failed:
+    def Get_size(self): return len(failed)
+    def Translate_ranks(self, ranks, group): return [failed[i] for i in ranks]
+    def Free(self): pass
+
+class Request:
+    def Test(self):
+        assert not inside.is_set(), "progress inside an agreement"
+        return False
+
+class Comm:
+    def Dup(self): return self
+    def Set_errhandler(self, handler): pass
+    def Get_group(self): return None
+    def Get_size(self): return 3
+    def Irecv(self, buf, source, tag): return Request()
+    def Get_failed(self): return Failed()
+
+w = watch.FailureWatch(Comm(), poll_s=0.001)
+w.subscribe(lambda ranks, when: calls.append(("acting", ranks, inside.is_set())))
+w.subscribe_during_agreement(lambda ranks, when: calls.append(("naming", ranks, inside.is_set())))
+with ulfm.agreement():
+    inside.set()
+    time.sleep(0.2)
+    failed.append(2)  # the main thread's progress in the agreement marked rank 2 failed
+    time.sleep(0.3)
+    inside.clear()
+time.sleep(0.1)
+w.stop()
+print(json.dumps(calls))
+"""
+
+
+def test_the_watch_names_a_failure_while_the_main_thread_agrees_without_progress():
+    """A frozen rank's peers wait in an agreement: their detector marks it failed during that
+    agreement, and the watch names it then (once, to the naming callbacks only), not after."""
+    done = subprocess.run([sys.executable, "-c", _NAMING_CHILD], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    calls = json.loads(done.stdout.strip().splitlines()[-1])
+    assert calls == [["naming", [2], True]], calls

@@ -112,10 +112,10 @@ class Members:
         if not self.s.joining and self.current_generation():
             write_abandoned(self.s.run_dir, f"re-join: {reason}")
 
-    def on_failure_notice(self, ranks: list[int], when: float) -> None:
+    def name_suspects(self, ranks: list[int], when: float) -> None:
         """Watch thread: processes failed. Name those of other hosts for the supervisor at once
-        (``ft/suspects.py``); and a member of my replica failed while I was outside MPI: my
-        replica is lost."""
+        (``ft/suspects.py``). Also called while the main thread is inside an agreement
+        (``FailureWatch.subscribe_during_agreement``): it only writes names."""
         s = self.s
         processes = list(getattr(s.ftc, "processes", None) or ())  # none before a spawned process joins
         try:
@@ -123,11 +123,18 @@ class Members:
                 s.run_dir, [processes[r] for r in ranks if 0 <= r < len(processes)], socket.gethostname()
             )
         except OSError as e:
+            rank = "?" if s.ftc is None else s.ftc.rank
             print(
-                f"[nanotron-recover] rank {s.ftc.rank}: failed processes not named: {e}",
+                f"[nanotron-recover] rank {rank}: failed processes not named: {e}",
                 file=sys.stderr,
                 flush=True,
             )
+
+    def on_failure_notice(self, ranks: list[int], when: float) -> None:
+        """Watch thread: processes failed. Name them (:meth:`name_suspects`); and a member of my
+        replica failed while I was outside MPI: my replica is lost."""
+        s = self.s
+        self.name_suspects(ranks, when)
         lost = sorted(s.my_replica_ranks.intersection(ranks))
         if not lost or s.joining or s.ftc.in_ft_operation or s.ftc.parked:
             return

@@ -118,6 +118,7 @@ class ForwardRecovery:
                 # An exception exit would not be reported to the job, which would wait for this process.
                 self.abort(error)
                 raise
+            self._name_failures_during_agreements()
             self.members.watch_spawned_processes()
             self._guard_partitions()
             return joined.world, joined.ctx, joined
@@ -132,6 +133,7 @@ class ForwardRecovery:
         # A replica is p.inner x p.pp ranks: tp ranks (3D) or shard ranks (HSDP) along the inside.
         s.ftc = FaultTolerantComm(p.inner, p.pp, p.dp, launched_replicas=launched, **callbacks)
         s.my_replica_ranks = s.replica_ranks()
+        self._name_failures_during_agreements()
         world = init_replica_world(s.ftc)
         ctx = ParallelContext.create(p.inner, p.pp, 1, world.device)
         s.injector = FaultInjector(s.args, s.ftc.rank, s.ftc.replica, s.run_dir)
@@ -140,6 +142,17 @@ class ForwardRecovery:
         self.members.watch_spawned_processes()
         self._guard_partitions()
         return world, ctx, self._restore(world, ctx) if s.generation > 0 else None
+
+    def _name_failures_during_agreements(self) -> None:
+        """A failure the main thread's progress learns while it waits in an agreement (a step's or
+        a recovery's) is named for the supervisor at once (``ft/watch.py``): a frozen rank whose
+        peers wait in an agreement is then removed within the heartbeat timeout, like one whose
+        peers compute. Only from here: the names need the process table."""
+        from ...ft.watch import current_watch
+
+        watch = current_watch()
+        if watch is not None:
+            watch.subscribe_during_agreement(self.members.name_suspects)
 
     def _guard_partitions(self) -> None:
         """Every process beats a heartbeat file from here on: a recovery can tell a cut-off side

@@ -77,3 +77,16 @@ def test_only_the_current_generation_marks_removed_processes(tmp_path):
     write_relaunch(tmp_path, Relaunch(1, "node_lost", 0.0, 4))  # the job was relaunched since
     members.fence((1,))
     assert not fencing.removed_marker(tmp_path, "node-b", 4242).exists()
+
+
+def test_naming_suspects_only_names(tmp_path):
+    """Called while the main thread is inside an agreement: it writes names and nothing else, even
+    for a failed peer of this rank's replica that would make ``on_failure_notice`` leave."""
+    from nanotron_recover.ft.processes import ProcessInfo
+    from nanotron_recover.ft.suspects import suspect_names
+
+    processes = [ProcessInfo(0, "here", 100, None), ProcessInfo(1, "elsewhere", 4242, None)]
+    ftc = SimpleNamespace(processes=processes, rank=0, in_ft_operation=False, parked=False)
+    s = SimpleNamespace(run_dir=tmp_path, ftc=ftc, my_replica_ranks={0, 1}, joining=False, rejoin_on=False)
+    Members(s).name_suspects([1], when=0.0)  # on_failure_notice would fail-stop this process here
+    assert suspect_names(tmp_path) == {"elsewhere.4242"}
