@@ -16,7 +16,9 @@ receive. It polls with ``Test`` every ``poll_s`` (MPI is initialized with ``MPI_
 It skips its poll while the main thread is inside an agreement (:func:`.ulfm.agreement`: another
 thread's progress then can corrupt the agreement's value in Open MPI 5.0.x). The main thread's own
 progress inside the agreement still runs the detector and marks failed processes, so the watch
-then reads the failed group without progress (``MPI_Comm_get_failed`` is local and makes none)
+then reads the failed group without progress (``MPI_Comm_get_failed`` is local: in 5.0.x,
+``ompi_comm_get_failed_internal`` in ``ompi/communicator/ft/comm_ft.c`` intersects the group with
+the failed processes under their lock, and makes no progress)
 and tells the callbacks that only *name* failures (:meth:`FailureWatch.subscribe_during_agreement`):
 a rank frozen while its peers wait in an agreement (a step's or a recovery's) is named for the
 supervisor within the heartbeat timeout, not after the agreement ends. Nothing is acknowledged
