@@ -52,19 +52,19 @@ class FailureWatch:
         self._subscribers: list[Callable[[list[int], float], None]] = []
         self._namers: list[Callable[[list[int], float], None]] = []
         self._poll_s = poll_s
-        self._known: set[int] = set()
-        self._named: set[int] = set()  # told to the namers during agreements, not yet acknowledged
         self._start(base.Dup(), list(range(base.Get_size())))
 
     def _start(self, comm: MPI.Comm, logical: list[int]) -> None:
         comm.Set_errhandler(MPI.ERRORS_RETURN)
         self._comm = comm
-        self._known = set()  # a new communicator starts with no failures
-        self._named = set()
+        # A new communicator starts with no failures. Each thread keeps its own sets: one stopped
+        # by a rebase may still be inside a callback, and must not write into the new thread's.
+        self._known: set[int] = set()
+        named: set[int] = set()  # told to the namers during agreements, not yet acknowledged
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run,
-            args=(comm, comm.Get_group(), logical, self._stop),
+            args=(comm, comm.Get_group(), logical, self._stop, self._known, named),
             name="ft-failure-watch",
             daemon=True,
         )
@@ -103,13 +103,21 @@ class FailureWatch:
             failed.Free()
         return {logical[int(r)] for r in ranks if r != MPI.UNDEFINED}
 
-    def _run(self, comm: MPI.Comm, group: MPI.Group, logical: list[int], stop: threading.Event) -> None:
+    def _run(
+        self,
+        comm: MPI.Comm,
+        group: MPI.Group,
+        logical: list[int],
+        stop: threading.Event,
+        known: set[int],
+        named: set[int],
+    ) -> None:
         buf = bytearray(1)
         request = comm.Irecv(buf, source=MPI.ANY_SOURCE, tag=_TAG)
         while not stop.is_set():
             if not helper_may_progress():
                 # The main thread is inside an agreement (ulfm.agreement): read, do not progress.
-                self._notice_without_progress(comm, group, logical)
+                self._notice_without_progress(comm, group, logical, known, named)
                 stop.wait(self._poll_s)
                 continue
             try:
@@ -124,9 +132,9 @@ class FailureWatch:
                     comm.Ack_failed()
                 except MPI.Exception:
                     failed = set()
-                new = sorted(failed - self._known)
-                self._known |= failed
-                for callback in list(self._subscribers) if new else ():
+                new = sorted(failed - known)
+                known |= failed
+                for callback in list(self._subscribers) if new and not stop.is_set() else ():
                     try:
                         callback(new, noticed)
                     except Exception:
@@ -138,17 +146,19 @@ class FailureWatch:
                 continue
             stop.wait(self._poll_s)
 
-    def _notice_without_progress(self, comm: MPI.Comm, group: MPI.Group, logical: list[int]) -> None:
+    def _notice_without_progress(
+        self, comm: MPI.Comm, group: MPI.Group, logical: list[int], known: set[int], named: set[int]
+    ) -> None:
         if not self._namers:
             return
         try:
             failed = self._failed_now(comm, group, logical)
         except MPI.Exception:
             return
-        new = sorted(failed - self._known - self._named)
+        new = sorted(failed - known - named)
         if not new:
             return
-        self._named |= set(new)
+        named |= set(new)
         noticed = time.time()
         for callback in list(self._namers):
             try:

@@ -55,10 +55,12 @@ def test_the_watch_keeps_out_of_mpi_while_the_main_thread_agrees():
 
 _NAMING_CHILD = """
 import json, threading, time
+from mpi4py import MPI
 from nanotron_recover.ft import ulfm, watch
 
 failed = []  # the ranks this process's MPI has marked failed (Get_failed's group)
 inside = threading.Event()
+report = threading.Event()  # the pending receive completes with an error (a failure reported)
 calls = []
 
 class Failed:
@@ -69,6 +71,9 @@ class Failed:
 class Request:
     def Test(self):
         assert not inside.is_set(), "progress inside an agreement"
+        if report.is_set():
+            report.clear()
+            raise MPI.Exception(MPI.ERR_PROC_FAILED)
         return False
 
 class Comm:
@@ -78,6 +83,7 @@ class Comm:
     def Get_size(self): return 3
     def Irecv(self, buf, source, tag): return Request()
     def Get_failed(self): return Failed()
+    def Ack_failed(self): pass
 
 w = watch.FailureWatch(Comm(), poll_s=0.001)
 w.subscribe(lambda ranks, when: calls.append(("acting", ranks, inside.is_set())))
@@ -89,15 +95,21 @@ with ulfm.agreement():
     time.sleep(0.3)
     inside.clear()
 time.sleep(0.1)
+report.set()  # the next poll outside the agreement learns it the usual way
+time.sleep(0.3)
 w.stop()
-print(json.dumps(calls))
+print(json.dumps({"calls": calls, "known": sorted(w.known_failed())}))
 """
 
 
 def test_the_watch_names_a_failure_while_the_main_thread_agrees_without_progress():
     """A frozen rank's peers wait in an agreement: their detector marks it failed during that
-    agreement, and the watch names it then (once, to the naming callbacks only), not after."""
+    agreement, and the watch names it then (once, to the naming callbacks only); the acting
+    callbacks learn it at the first poll after the agreement, as before."""
     done = subprocess.run([sys.executable, "-c", _NAMING_CHILD], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    calls = json.loads(done.stdout.strip().splitlines()[-1])
-    assert calls == [["naming", [2], True]], calls
+    assert "Exception in thread" not in done.stderr, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    # Named once, inside the agreement; acted on after it, at the poll that acknowledges it.
+    assert seen["calls"] == [["naming", [2], True], ["acting", [2], False]], seen
+    assert seen["known"] == [2], seen

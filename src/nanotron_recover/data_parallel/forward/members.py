@@ -118,10 +118,10 @@ class Members:
         (``FailureWatch.subscribe_during_agreement``): it only writes names."""
         s = self.s
         processes = list(getattr(s.ftc, "processes", None) or ())  # none before a spawned process joins
+        # A process lost before the process table was gathered has no pid there: nothing to name.
+        failed = [processes[r] for r in ranks if 0 <= r < len(processes) and processes[r].pid > 0]
         try:
-            note_suspects(
-                s.run_dir, [processes[r] for r in ranks if 0 <= r < len(processes)], socket.gethostname()
-            )
+            note_suspects(s.run_dir, failed, socket.gethostname())
         except OSError as e:
             rank = "?" if s.ftc is None else s.ftc.rank
             print(

@@ -85,8 +85,12 @@ def test_naming_suspects_only_names(tmp_path):
     from nanotron_recover.ft.processes import ProcessInfo
     from nanotron_recover.ft.suspects import suspect_names
 
-    processes = [ProcessInfo(0, "here", 100, None), ProcessInfo(1, "elsewhere", 4242, None)]
+    processes = [
+        ProcessInfo(0, "here", 100, None),
+        ProcessInfo(1, "elsewhere", 4242, None),
+        ProcessInfo(2, "", 0, None),  # lost before the process table was gathered: nothing known
+    ]
     ftc = SimpleNamespace(processes=processes, rank=0, in_ft_operation=False, parked=False)
     s = SimpleNamespace(run_dir=tmp_path, ftc=ftc, my_replica_ranks={0, 1}, joining=False, rejoin_on=False)
-    Members(s).name_suspects([1], when=0.0)  # on_failure_notice would fail-stop this process here
+    Members(s).name_suspects([1, 2], when=0.0)  # on_failure_notice would fail-stop this process here
     assert suspect_names(tmp_path) == {"elsewhere.4242"}
