@@ -12,7 +12,24 @@ import json
 import subprocess
 import sys
 
-_CHILD = """
+# A launch communicator as the watch uses it: ``Request`` is the pending receive, ``Failed`` the
+# group ``Get_failed`` returns.
+_STAND_IN = """
+def stand_in_comm(Request, Failed=None):
+    class Comm:
+        def Dup(self): return self
+        def Set_errhandler(self, handler): pass
+        def Get_group(self): return None
+        def Get_size(self): return 3
+        def Irecv(self, buf, source, tag): return Request()
+        def Get_failed(self): return Failed()
+        def Ack_failed(self): pass
+    return Comm()
+"""
+
+_CHILD = (
+    _STAND_IN
+    + """
 import json, threading, time
 from nanotron_recover.ft import ulfm, watch
 
@@ -24,14 +41,7 @@ class Request:
         tests["inside" if inside.is_set() else "outside"] += 1
         return False
 
-class Comm:
-    def Dup(self): return self
-    def Set_errhandler(self, handler): pass
-    def Get_group(self): return None
-    def Get_size(self): return 3
-    def Irecv(self, buf, source, tag): return Request()
-
-w = watch.FailureWatch(Comm(), poll_s=0.001)
+w = watch.FailureWatch(stand_in_comm(Request), poll_s=0.001)
 time.sleep(0.3)
 before = tests["outside"]
 with ulfm.agreement():
@@ -42,6 +52,7 @@ time.sleep(0.3)
 w.stop()
 print(json.dumps({"before": before, "inside": tests["inside"], "after": tests["outside"] - before}))
 """
+)
 
 
 def test_the_watch_keeps_out_of_mpi_while_the_main_thread_agrees():
@@ -53,7 +64,9 @@ def test_the_watch_keeps_out_of_mpi_while_the_main_thread_agrees():
     assert polls["inside"] == 0, polls
 
 
-_NAMING_CHILD = """
+_NAMING_CHILD = (
+    _STAND_IN
+    + """
 import json, threading, time
 from mpi4py import MPI
 from nanotron_recover.ft import ulfm, watch
@@ -76,16 +89,7 @@ class Request:
             raise MPI.Exception(MPI.ERR_PROC_FAILED)
         return False
 
-class Comm:
-    def Dup(self): return self
-    def Set_errhandler(self, handler): pass
-    def Get_group(self): return None
-    def Get_size(self): return 3
-    def Irecv(self, buf, source, tag): return Request()
-    def Get_failed(self): return Failed()
-    def Ack_failed(self): pass
-
-w = watch.FailureWatch(Comm(), poll_s=0.001)
+w = watch.FailureWatch(stand_in_comm(Request, Failed), poll_s=0.001)
 w.subscribe(lambda ranks, when: calls.append(("acting", ranks, inside.is_set())))
 w.subscribe_during_agreement(lambda ranks, when: calls.append(("naming", ranks, inside.is_set())))
 with ulfm.agreement():
@@ -100,6 +104,7 @@ time.sleep(0.3)
 w.stop()
 print(json.dumps({"calls": calls, "known": sorted(w.known_failed())}))
 """
+)
 
 
 def test_the_watch_names_a_failure_while_the_main_thread_agrees_without_progress():
