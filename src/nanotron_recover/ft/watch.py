@@ -18,8 +18,7 @@ thread's progress then can corrupt the agreement's value in Open MPI 5.0.x). The
 progress inside the agreement still runs the detector and marks failed processes, so the watch
 then reads the failed group without progress (``MPI_Comm_get_failed`` is local: in 5.0.x,
 ``ompi_comm_get_failed_internal`` in ``ompi/communicator/ft/comm_ft.c`` intersects the group with
-the failed processes under their lock, and makes no progress)
-and tells the callbacks that only *name* failures (:meth:`FailureWatch.subscribe_during_agreement`):
+the failed processes under their lock, and makes no progress) and tells the callbacks that only *name* failures (:meth:`FailureWatch.subscribe_during_agreement`):
 a rank frozen while its peers wait in an agreement (a step's or a recovery's) is named for the
 supervisor within the heartbeat timeout, not after the agreement ends. Nothing is acknowledged
 then; the failure reaches the other callbacks at the next poll outside the agreement.
@@ -134,11 +133,8 @@ class FailureWatch:
                     failed = set()
                 new = sorted(failed - known)
                 known |= failed
-                for callback in list(self._subscribers) if new and not stop.is_set() else ():
-                    try:
-                        callback(new, noticed)
-                    except Exception:
-                        pass  # a failing callback must not stop the watch
+                if new and not stop.is_set():
+                    _tell(self._subscribers, new, noticed)
                 try:
                     request = comm.Irecv(buf, source=MPI.ANY_SOURCE, tag=_TAG)
                 except MPI.Exception:
@@ -159,12 +155,15 @@ class FailureWatch:
         if not new:
             return
         named |= set(new)
-        noticed = time.time()
-        for callback in list(self._namers):
-            try:
-                callback(new, noticed)
-            except Exception:
-                pass  # a failing callback must not stop the watch
+        _tell(self._namers, new, time.time())
+
+
+def _tell(callbacks: list[Callable[[list[int], float], None]], ranks: list[int], noticed: float) -> None:
+    for callback in list(callbacks):
+        try:
+            callback(ranks, noticed)
+        except Exception:
+            pass  # a failing callback must not stop the watch
 
 
 _watch: FailureWatch | None = None
